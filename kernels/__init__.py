@@ -1,0 +1,1 @@
+"""Fused kernels for RL training, installed as ``mcore_rl.kernels``."""

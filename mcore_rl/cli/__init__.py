@@ -1,0 +1,1 @@
+"""The `mcore-rl` command line (thin: parse, call). Nothing imports this package."""

@@ -1,0 +1,40 @@
+"""`mcore-rl train CONFIG [overrides] [--nproc N]`: run training.
+
+On one machine ``--nproc N`` starts N ranks itself; under torchrun or SLURM the launcher's
+environment decides. The config is validated against the world size before any rank starts.
+"""
+from __future__ import annotations
+
+from mcore_rl.config import load_config, validate_config
+from mcore_rl.config.loader import config_to_dict
+from mcore_rl.errors import UsageError
+
+
+def run(args) -> int:
+    from mcore_rl.parallel.local_launch import adopt_slurm_environment, launcher_world_size, run_ranks
+
+    cfg = load_config(args.config, args.overrides)
+    launched = launcher_world_size()
+    if launched is not None and args.nproc not in (None, launched):
+        raise UsageError(f"--nproc {args.nproc} conflicts with the launcher's world size {launched}; "
+                         "drop --nproc under torchrun/SLURM")
+    world = launched or args.nproc or (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
+    validate_config(cfg, world_size=world)
+    from mcore_rl.entry import rank_main, rank_main_from_dict
+
+    if launched is not None:
+        adopt_slurm_environment()
+        rank_main(cfg)
+    else:
+        run_ranks(rank_main_from_dict, (config_to_dict(cfg),), nproc=world,
+                  threads_per_rank=cfg.parallel.cpu_threads_per_rank)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="run training from a YAML config")
+    p.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local ranks to start (default: tp*pp*dp of the config)")
+    p.set_defaults(func=run)

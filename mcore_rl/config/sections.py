@@ -1,0 +1,286 @@
+"""Typed configuration: one dataclass per section, a docstring per field.
+
+YAML files load into `RLConfig` (see ``loader.py``); ``section.field=value`` overrides on the
+command line; cross-field checks run in ``validate.py`` before any rank starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class ModelConfig:
+    """The policy model (and the critic/reference, which share its backbone and layout)."""
+
+    path: str = ""
+    """HF checkpoint directory (config.json + safetensors) or Megatron checkpoint made by
+    `mcore-rl convert hf-to-mcore`. Empty: a randomly initialised model of the inline
+    architecture below (smoke tests and the built-in quick start)."""
+    num_layers: int = 2
+    """Transformer layers (inline architecture only)."""
+    hidden_size: int = 128
+    """Model width (inline architecture only)."""
+    intermediate_size: int = 256
+    """SwiGLU inner size (inline architecture only)."""
+    num_attention_heads: int = 4
+    """Query heads (inline architecture only)."""
+    num_kv_heads: int = 2
+    """Key/value heads, GQA groups (inline architecture only)."""
+    vocab_size: int = 256
+    """Vocabulary size (inline architecture only)."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model supports (inline architecture only)."""
+    tie_word_embeddings: bool = False
+    """Share input embedding and output layer (inline architecture only)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Parameter dtype. bf16 trains with fp32 main parameters in the optimizer."""
+    critic_path: str = ""
+    """Checkpoint for the critic (PPO); empty: initialised from `path` with a fresh value head."""
+    recompute_activations: bool = False
+    """Recompute each layer's activations in backward to save memory."""
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks split the model: tp x pp x dp = world size. Actor, critic and reference
+    share this layout."""
+
+    tp: int = 1
+    """Tensor-parallel size; must divide attention heads and KV heads."""
+    pp: int = 1
+    """Pipeline-parallel size; must divide the number of layers."""
+    vpp: int | None = None
+    """Virtual pipeline stages per PP rank (interleaved 1F1B); pp*vpp must divide layers."""
+    dp: int | None = None
+    """Data-parallel size; None: world size / (tp*pp)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto: nccl with CUDA, gloo without."""
+    cpu_threads_per_rank: int = 1
+    """OMP/torch threads per rank on CPU (ranks share the cores)."""
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of responses by the inference engine."""
+
+    engine: Literal["vllm", "sglang", "hf"] = "vllm"
+    """Inference engine."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: engine and trainer time-share the same devices; separate: own devices."""
+    engine_tp: int = 1
+    """Tensor-parallel size of each engine replica."""
+    n_samples_per_prompt: int = 4
+    """Responses per prompt (the group size of GRPO/RLOO)."""
+    max_new_tokens: int = 64
+    """Longest response."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this are filtered out (counted in the logs)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling; < 1 biases the policy gradient (a warning is printed)."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables (other values warn as for top_p)."""
+    truncated_response: Literal["mask", "penalize", "keep"] = "keep"
+    """Responses cut at max_new_tokens: excluded from the loss, given the minimum reward, or kept."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory the engine may take (GPU)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective."""
+
+    advantage_estimator: str = "grpo"
+    """Registered estimator: gae (PPO with critic), grpo, rloo, reinforce_plus_plus."""
+    policy_loss: str = "ppo_clip"
+    """Registered policy loss."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio <= 1 + clip_ratio_high."""
+    dual_clip: float | None = None
+    """Dual-clip constant c (> 1) bounding the loss of negative advantages; None: off."""
+    value_clip: float = 0.2
+    """Clipping range of the value loss (PPO)."""
+    gamma: float = 1.0
+    """Discount (GAE)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_coef: float = 0.0
+    """KL(policy || reference) coefficient; 0 skips the reference model entirely."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator per token."""
+    kl_in_reward: bool = False
+    """Apply KL as a reward penalty (True) or as a loss term (False)."""
+    adaptive_kl_target: float | None = None
+    """Target KL for an adaptive coefficient; None: fixed coefficient."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Mean over all tokens of the batch, or over sequences (each the mean of its tokens)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the rollout batch is split into this many)."""
+    whiten_advantages: bool = True
+    """Normalise advantages (statistics over all DP ranks)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap for the trainer/engine log-prob mismatch; None: off."""
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam with warm-up and decay; used for the actor (and critic with its own lr)."""
+
+    lr: float = 1e-5
+    """Peak learning rate of the actor."""
+    critic_lr: float = 1e-5
+    """Peak learning rate of the critic."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate decay after warm-up."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    distributed: bool = False
+    """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (sequences are packed up to it)."""
+
+
+@dataclass
+class DataConfig:
+    """Prompts for training and validation."""
+
+    source: Literal["jsonl", "parquet", "reasoning_gym", "builtin"] = "builtin"
+    """Where prompts come from; builtin: the quick start's synthetic task."""
+    path: str = ""
+    """Training file (jsonl/parquet)."""
+    val_path: str = ""
+    """Validation file (jsonl/parquet); empty: a held-out split of the source."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text (or chat messages)."""
+    answer_key: str = "answer"
+    """Field passed to the reward function as the reference answer."""
+    task: str = ""
+    """reasoning-gym task name (source=reasoning_gym), e.g. basic_arithmetic."""
+    apply_chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template."""
+    prompts_per_step: int = 8
+    """Prompts per RL step (each sampled n_samples_per_prompt times)."""
+    num_val: int = 32
+    """Validation prompts."""
+    seed: int = 0
+    """Seed of the dataset order and of generated tasks."""
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    name: str = "builtin"
+    """Registered reward (e.g. math, reasoning_gym, reward_model) or module:function."""
+    reward_model_path: str = ""
+    """Checkpoint of the reward model (name=reward_model)."""
+    truncation_penalty: float = 0.0
+    """Reward given to responses cut at the length limit (truncated_response=penalize)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming the full training state."""
+
+    dir: str = ""
+    """Checkpoint directory; empty: <logging.dir>/checkpoints."""
+    save_every: int = 0
+    """Save every N steps (and at the end); 0: only at the end."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint if any; never; or a path."""
+    keep_last: int = 2
+    """Complete checkpoints kept on disk."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics, progress and samples."""
+
+    dir: str = "runs/default"
+    """Output directory of the run (metrics, TensorBoard, samples, plots)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    log_every: int = 1
+    """Console summary every N steps."""
+    samples_every: int = 5
+    """Write sample rollouts every N steps; 0 disables."""
+    progress_bar: bool = True
+    """Show a progress bar (step, rate, ETA)."""
+
+
+@dataclass
+class LaunchConfig:
+    """Where ranks run (SLURM or local)."""
+
+    nodes: int = 1
+    """Nodes to allocate."""
+    procs_per_node: int = 1
+    """Ranks per node (CPU clusters); ignored when gpus_per_node is set."""
+    gpus_per_node: int | None = None
+    """GPUs (ranks) per node."""
+    partition: str = ""
+    """SLURM partition."""
+    time: str = "01:00:00"
+    """SLURM time limit."""
+    account: str = ""
+    """SLURM account."""
+
+
+@dataclass
+class TrainConfig:
+    """The RL run as a whole."""
+
+    steps: int = 20
+    """RL steps (generate -> score -> update -> sync)."""
+    seed: int = 1234
+    """Global seed; sampling seeds derive from (seed, step, prompt, sample)."""
+    val_every: int = 5
+    """Evaluate the validation set every N steps; 0 disables."""
+
+
+@dataclass
+class RLConfig:
+    """A complete mcore-rl run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout of the trainer."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL objective."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and schedule."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Rewards."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Logging."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Launch."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Run length and seeds."""

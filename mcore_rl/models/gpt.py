@@ -1,0 +1,116 @@
+"""Megatron-Core GPT models from a `ModelArch`: the local spec on CPU, TE spec on GPU.
+
+Model code only: no RL, engine or launch logic. Parallel sizes come in through the
+`ParallelContext`. Two heads: ``"lm"`` (vocabulary logits, padded to
+``arch.padded_vocab_size``; see `mcore_rl.models.vocab`) and ``"score"`` (a scalar per
+token: critic values / reward scores, `mcore_rl.models.value_head`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mcore_rl.models.arch import ModelArch
+from mcore_rl.parallel import ParallelContext, megatron_cpu_compat
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
+                             recompute: bool = False, init_weights: bool = True):
+    """Megatron ``TransformerConfig`` for ``arch``, with every HF-differing default explicit.
+
+    ``init_weights=False`` skips random initialisation (weights are loaded right after).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    params_dtype = DTYPES[dtype]
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        # Megatron defaults that differ from HF Llama/Qwen2/Mistral:
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=arch.attention_dropout,
+        # HF computes attention softmax and RMSNorm in fp32 for bf16 models too.
+        attention_softmax_in_fp32=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=ctx.tp,
+        pipeline_model_parallel_size=ctx.pp,
+        virtual_pipeline_model_parallel_size=ctx.vpp,
+        pipeline_dtype=params_dtype,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=ctx.device.type == "cpu",
+        perform_initialization=init_weights,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        **megatron_cpu_compat.transformer_config_overrides(),
+    )
+
+
+def layer_spec(transformer_engine: bool | None = None):
+    """The TE spec when Transformer Engine and CUDA are present, else the local spec."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if transformer_engine is None:
+        from mcore_rl.models.te_shim import transformer_engine_usable
+
+        transformer_engine = transformer_engine_usable()
+    if transformer_engine:
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
+                     recompute: bool = False, transformer_engine: bool | None = None,
+                     head: str = "lm", init_weights: bool = True, seed: int = 1234) -> list:
+    """This rank's model chunks (one per virtual pipeline stage; one without VPP).
+
+    ``head="lm"``: GPTModel with vocabulary logits [b, s, Vp/tp] on the last stage.
+    ``head="score"``: `GPTValueModel`, values [b, s] on the last stage (the scalar head is
+    initialised from ``seed``, identically on every rank). RoPE frequencies are set from
+    ``arch`` exactly as HF computes them (`mcore_rl.models.rope`).
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from mcore_rl.models.rope import apply_rope_frequencies
+    from mcore_rl.models.value_head import GPTValueModel
+
+    if head not in ("lm", "score"):
+        raise ValueError(f"head must be 'lm' or 'score', not {head!r}")
+    config = build_transformer_config(arch, ctx, dtype, recompute, init_weights)
+    spec = layer_spec(transformer_engine)
+    n_chunks = ctx.vpp or 1
+    chunks = []
+    for vp_stage in range(n_chunks):
+        first = ctx.is_first_stage and vp_stage == 0
+        last = ctx.is_last_stage and vp_stage == n_chunks - 1
+        kwargs = dict(
+            vocab_size=arch.padded_vocab_size, max_sequence_length=arch.max_position_embeddings,
+            pre_process=first, post_process=last, position_embedding_type="rope",
+            rotary_base=arch.rope_theta, vp_stage=vp_stage if ctx.vpp else None)
+        if head == "lm":
+            model = GPTModel(config, spec, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+                             **kwargs)
+        else:
+            model = GPTValueModel(config, spec, head_seed=seed, **kwargs)
+        apply_rope_frequencies(model, arch)
+        chunks.append(model.to(ctx.device))
+    return chunks

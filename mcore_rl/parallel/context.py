@@ -1,0 +1,84 @@
+"""`ParallelContext`: the layout of one job and its process groups, passed explicitly.
+
+Megatron-Core 0.16's schedules, DDP, optimizer and checkpointing read its global parallel
+state (``megatron.core.parallel_state``). That global is touched only in this package
+(`initialize_parallel` / `destroy_parallel`) and in ``mcore_rl.train``; everything else
+receives a `ParallelContext`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of a 3D-parallel layout: tp x pp x dp ranks, vpp model chunks per PP rank."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        vpp = f"xVPP{self.vpp}" if self.vpp else ""
+        return f"TP{self.tp}xPP{self.pp}{vpp}xDP{self.dp}"
+
+
+@dataclass
+class ParallelContext:
+    """Where this rank sits in the layout, and the process groups it talks over.
+
+    Megatron orders ranks tp-fastest, then dp, then pp ("tp-cp-ep-dp-pp"): the ranks of
+    one TP group are consecutive; one PP group strides over tp*dp ranks.
+    """
+
+    layout: Layout
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+    backend: str
+    tp_group: dist.ProcessGroup | None = field(repr=False)
+    pp_group: dist.ProcessGroup | None = field(repr=False)
+    dp_group: dist.ProcessGroup | None = field(repr=False)
+    mp_group: dist.ProcessGroup | None = field(repr=False)
+    embedding_group: dist.ProcessGroup | None = field(repr=False, default=None)
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def vpp(self) -> int | None:
+        return self.layout.vpp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    def group_ranks(self, group: dist.ProcessGroup | None) -> list[int]:
+        """Global ranks of a process group (``[self.rank]`` for a size-1 layout)."""
+        if group is None:
+            return [self.rank]
+        return dist.get_process_group_ranks(group)

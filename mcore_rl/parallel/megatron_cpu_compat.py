@@ -1,0 +1,240 @@
+"""Megatron-Core on CPU: the one place that bends Megatron's CUDA assumptions.
+
+Megatron-Core 0.16.1 assumes a GPU in a few dozen places: ``torch.cuda.current_device()``
+in rotary embeddings, tensor-parallel mappings and DDP buffers; ``torch.cuda.synchronize()``
+in p2p and checkpointing; ``device="cuda"`` literals in the pipeline schedules, optimizer
+and gradient clipping; ``param.type() == 'torch.cuda.FloatTensor'`` checks; an RNG tracker
+built on CUDA generator states. With no CUDA device these all fail.
+
+`apply()` makes them work on CPU (gloo) and is called by ``mcore_rl.parallel`` only when
+``torch.cuda.is_available()`` is false. Its changes are *scoped to Megatron*: every
+replacement looks at the calling frame and behaves differently only when the caller is a
+``megatron.*`` module; a call from any other library (vLLM runs in the same processes)
+reaches the original torch function unchanged. On a machine with CUDA nothing is patched.
+
+What it does:
+- ``torch.cuda.{current_device, synchronize, get_rng_state, set_rng_state, manual_seed}``:
+  for Megatron callers, device 0 / no-op / the CPU generator.
+- A ``TorchFunctionMode`` (per thread; entered for the thread that calls `apply`, and for
+  new threads through ``threading.Thread.run``) that, for Megatron callers only, turns
+  ``device="cuda"`` and integer devices into ``"cpu"``, makes ``Tensor.cuda()`` a no-op and
+  reports CPU float tensors as ``torch.cuda.*Tensor`` to ``Tensor.type()``.
+- ``transformer_config_overrides()``: ``batch_p2p_comm=False`` for pipeline p2p over gloo.
+- Megatron's RNG tracker helpers ``_get_cuda_rng_state``/``_set_cuda_rng_state`` use the CPU
+  generator, so ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()``
+  work (CPU generator states per tracker name).
+
+Every patched target is listed in `PATCHED_TARGETS` with a fingerprint of its source;
+``tests/parallel/test_megatron_cpu_compat.py`` fails loudly when megatron-core's version or
+one of those targets changes, so an upgrade is a conscious step.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import logging
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MEGATRON_VERSION = "0.16.1"
+
+# (module, qualified name) of the Megatron functions whose behaviour this module changes or
+# works around, with a short fingerprint of their source at the supported version.
+PATCHED_TARGETS: dict[tuple[str, str], str] = {
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): "aa26caaa069c",
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): "b179c9d95438",
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add"): "e5e9ab39a7c1",
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork"): "6821e1e39725",
+    ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed"): "7423a4a62741",
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"): "84399467bcc0",
+    ("megatron.core.pipeline_parallel.schedules",
+     "forward_backward_pipelining_without_interleaving"): "ecf7d69308cd",
+    ("megatron.core.pipeline_parallel.schedules",
+     "forward_backward_pipelining_with_interleaving"): "bd10736079d7",
+    ("megatron.core.pipeline_parallel.p2p_communication", "_batched_p2p_ops"): "4b0901807501",
+    ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32"): "7fa2ba2493d4",
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"): "8edb9da53650",
+    ("megatron.core.optimizer.clip_grads", "count_zeros_fp32"): "13c3d83b2465",
+    ("megatron.core.optimizer.optimizer",
+     "Float16OptimizerWithFloat16Params.__init__"): "1d470dedcf8e",
+    ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__"): "9a3397b649b9",
+}
+
+_applied = False
+_lock = threading.Lock()
+
+
+def source_fingerprint(module_name: str, qualname: str) -> str:
+    """A short hash of a function's source, to notice when an upgrade changes a target."""
+    import importlib
+
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    obj = getattr(obj, "__mcore_rl_original__", obj)  # fingerprint what was replaced
+    obj = inspect.unwrap(obj)
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[: len(
+        PATCHED_TARGETS[(module_name, qualname)])]
+
+
+def _called_from_megatron(depth: int) -> bool:
+    """Whether the Python frame ``depth`` levels above the caller belongs to megatron.*."""
+    try:
+        frame = sys._getframe(depth + 1)
+    except ValueError:
+        return False
+    return frame.f_globals.get("__name__", "").startswith("megatron.")
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CPU_TYPE_TO_CUDA = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class MegatronCudaToCpuMode(TorchFunctionMode):
+    """Redirects CUDA placements requested by Megatron code to the CPU (see module doc)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda and _called_from_megatron(1):
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and _called_from_megatron(1):
+            name = func(*args)
+            return _CPU_TYPE_TO_CUDA.get(name, name)
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device) and _called_from_megatron(1):
+            kwargs = {**kwargs, "device": "cpu"}
+            kwargs.pop("pin_memory", None)
+        elif func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]) \
+                and _called_from_megatron(1):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _scoped(original: Callable, cpu_version: Callable) -> Callable:
+    """``cpu_version`` for callers in megatron.*, ``original`` for everyone else."""
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        if _called_from_megatron(1):
+            return cpu_version(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    dispatch.__mcore_rl_original__ = original  # type: ignore[attr-defined]
+    return dispatch
+
+
+def _replacing(original: Callable, replacement: Callable) -> Callable:
+    """``replacement`` (for all callers), remembering what it replaced."""
+
+    @functools.wraps(replacement)
+    def replaced(*args, **kwargs):
+        return replacement(*args, **kwargs)
+
+    replaced.__mcore_rl_original__ = original  # type: ignore[attr-defined]
+    return replaced
+
+
+def _cpu_get_rng_state(*_args, **_kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *_args, **_kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+_CUDA_REPLACEMENTS: dict[str, Callable] = {
+    "current_device": lambda: 0,
+    "synchronize": lambda *a, **k: None,
+    "get_rng_state": _cpu_get_rng_state,
+    "set_rng_state": _cpu_set_rng_state,
+    "manual_seed": _cpu_manual_seed,
+}
+
+
+def _enter_mode_in_every_thread() -> None:
+    """TorchFunctionMode is per thread: enter it now and at the start of every new thread."""
+    MegatronCudaToCpuMode().__enter__()
+    original_run = threading.Thread.run
+
+    @functools.wraps(original_run)
+    def run_with_mode(self, *args, **kwargs):
+        with MegatronCudaToCpuMode():
+            return original_run(self, *args, **kwargs)
+
+    threading.Thread.run = run_with_mode  # type: ignore[method-assign]
+
+
+def check_megatron_version() -> str:
+    import megatron.core
+
+    version = megatron.core.__version__
+    if version != SUPPORTED_MEGATRON_VERSION:
+        log.warning(
+            "megatron-core %s is installed; the CPU compatibility layer was written for %s. "
+            "Run tests/parallel/test_megatron_cpu_compat.py before trusting CPU results.",
+            version, SUPPORTED_MEGATRON_VERSION)
+    return version
+
+
+def apply() -> bool:
+    """Make Megatron-Core usable without CUDA. Idempotent; a no-op when CUDA is available.
+
+    Returns whether the layer is active.
+    """
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    with _lock:
+        if _applied:
+            return True
+        check_megatron_version()
+        for name, cpu_version in _CUDA_REPLACEMENTS.items():
+            setattr(torch.cuda, name, _scoped(getattr(torch.cuda, name), cpu_version))
+        # `random.py` binds torch.cuda.random.get_rng_state through the submodule too.
+        torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+
+        from megatron.core.tensor_parallel import random as mrandom
+
+        for name, replacement in (("_get_cuda_rng_state", _cpu_get_rng_state),
+                                  ("_set_cuda_rng_state", _cpu_set_rng_state)):
+            setattr(mrandom, name, _replacing(getattr(mrandom, name), replacement))
+        _enter_mode_in_every_thread()
+        _applied = True
+        log.info("Megatron-Core CPU compatibility layer applied")
+        return True
+
+
+def transformer_config_overrides() -> dict[str, Any]:
+    """TransformerConfig settings that CPU (gloo) runs need; empty when the layer is off.
+
+    ``batch_p2p_comm``: gloo's ``batch_isend_irecv`` mixes up the concurrent send/recv pairs
+    of the interleaved (VPP) schedule's steady state: gradients of the early model chunks
+    came out 3-10x too large with 4+ micro-batches. Plain isend/irecv pairs are exact.
+    """
+    return {"batch_p2p_comm": False} if _applied else {}
+
+
+def is_applied() -> bool:
+    return _applied

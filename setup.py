@@ -1,0 +1,48 @@
+"""mcore-rl: Megatron-Core-centric RL post-training for large language models."""
+from setuptools import find_packages, setup
+
+# The top-level folders `kernels/` and `benchmarks/` are installed as subpackages of
+# mcore_rl (never as a top-level `kernels`: transformers probes a PyPI package of that name).
+MAPPED = {"mcore_rl.kernels": "kernels", "mcore_rl.benchmarks": "benchmarks"}
+
+
+def mapped_packages():
+    out = []
+    for name, folder in MAPPED.items():
+        out.append(name)
+        out += [f"{name}.{sub}" for sub in find_packages(where=folder)]
+    return out
+
+
+setup(
+    name="mcore-rl",
+    version="0.1.0",
+    description="High-throughput RL post-training (PPO/GRPO) for LLMs on Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mcore_rl", "mcore_rl.*"]) + mapped_packages(),
+    package_dir={"mcore_rl": "mcore_rl", **MAPPED},
+    package_data={"mcore_rl": ["py.typed"]},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.17",
+        "psutil",
+        "pyyaml",
+        "safetensors",
+        "transformers>=4.56",
+        "tqdm",
+    ],
+    extras_require={
+        # CPU: use scripts/install.sh (pins + constraints). These extras are for GPU clusters,
+        # where torch comes from the cluster's CUDA build.
+        "vllm": ["vllm>=0.11"],
+        "sglang": ["sglang>=0.5"],
+        "triton": ["triton>=3.6"],
+        "te": ["transformer-engine[pytorch]"],
+        "logging": ["tensorboard", "matplotlib"],
+        "tasks": ["reasoning-gym"],
+        "test": ["pytest", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli.main:main"]},
+)

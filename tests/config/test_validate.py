@@ -1,0 +1,64 @@
+"""Layout checks against the model and the world size, before any rank starts."""
+import json
+
+import pytest
+
+from mcore_rl.config import load_config, validate_config
+from mcore_rl.errors import ConfigError
+
+# The inline default model: 2 layers, 4 attention heads, 2 KV heads.
+
+
+def check(overrides, world_size=None):
+    return validate_config(load_config(None, overrides), world_size=world_size)
+
+
+def test_tp_not_dividing_attention_heads_names_field_and_choices():
+    with pytest.raises(ConfigError, match=r"parallel.tp=3 does not divide the model's 4 attention "
+                                          r"heads; choose one of 1, 2, 4"):
+        check(["parallel.tp=3"])
+
+
+def test_tp_not_dividing_kv_heads_is_rejected_since_megatron_does_not_replicate_them():
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 does not divide the model's 2 KV heads"):
+        check(["parallel.tp=4"])
+
+
+def test_pp_not_dividing_layers_is_rejected():
+    with pytest.raises(ConfigError, match=r"parallel.pp=3 does not divide the model's 2 layers"):
+        check(["parallel.pp=3"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.vpp=2"], r"needs parallel.pp >= 2"),
+    (["parallel.pp=2", "parallel.vpp=2"], r"pp\*vpp=4 does not divide the model's 2 layers"),
+    (["parallel.pp=2", "parallel.vpp=0"], r"parallel.vpp must be >= 1"),
+])
+def test_virtual_pipeline_that_does_not_fit_is_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check(overrides)
+
+
+def test_virtual_pipeline_that_fits_is_accepted():
+    check(["parallel.pp=2", "parallel.vpp=2", "model.num_layers=8"], world_size=2)
+
+
+def test_world_size_must_equal_tp_pp_dp():
+    with pytest.raises(ConfigError, match=r"tp\*pp\*dp = 2\*1\*2 = 4 ranks, but the world has 2"):
+        check(["parallel.tp=2", "parallel.dp=2"], world_size=2)
+    with pytest.raises(ConfigError, match=r"world size 3 is not a multiple of tp\*pp = 2"):
+        check(["parallel.tp=2"], world_size=3)
+    check(["parallel.tp=2"], world_size=4)  # dp inferred as 2
+
+
+def test_heads_are_read_from_the_checkpoint_config_when_a_path_is_given(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}))
+    check([f"model.path={tmp_path}", "parallel.tp=3"])
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 does not divide the model's 9 attention"):
+        check([f"model.path={tmp_path}", "parallel.tp=2"])
+
+
+def test_model_path_without_config_json_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="has no config.json"):
+        check([f"model.path={tmp_path}"])

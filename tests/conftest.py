@@ -1,0 +1,30 @@
+"""Suite-wide rules: `gpu` tests skip without CUDA; any other skip fails the run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip_gpu)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skip is allowed only for `gpu` tests: elsewhere it would hide a broken dependency."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not item.get_closest_marker("gpu") and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} was skipped ({reason}); only tests marked `gpu` may "
+                           "skip. Install what it needs (bash scripts/install.sh) or fix the test.")
