@@ -134,6 +134,8 @@ class AlgorithmConfig:
 class OptimizerConfig:
     """Adam with warm-up and decay; used for the actor (and critic with its own lr)."""
 
+    name: Literal["adam", "sgd"] = "adam"
+    """Optimizer (sgd: plain gradient descent, mostly for exactness tests)."""
     lr: float = 1e-5
     """Peak learning rate of the actor."""
     critic_lr: float = 1e-5

@@ -1,0 +1,1 @@
+"""Prompt data, batching and the batch type shared by every phase."""

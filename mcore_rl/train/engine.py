@@ -1,0 +1,256 @@
+"""`TrainEngine`: forward and train steps over micro-batches through Megatron's schedules.
+
+The only code in mcore-rl that knows Megatron-Core's pipeline schedules, DDP and optimizer.
+
+Every rank passes the *same* global batch. The engine splits it over data-parallel ranks
+(balanced by tokens), packs each rank's share into micro-batches by a token budget, runs
+Megatron's forward(-backward) schedule (no pipelining, 1F1B, or interleaved 1F1B with
+virtual stages) and returns results for the whole batch, in batch order, on every rank.
+
+Loss normalisation is exact by construction: a loss function returns the *sum* of its loss
+over a micro-batch and the number of units (tokens or sequences) it covers; Megatron is
+run with ``calculate_per_token_loss`` so nothing is divided per micro-batch, and the final
+gradient is divided once by the unit count summed over all micro-batches and DP ranks.
+A token-mean therefore weighs every token of the global batch equally, however the
+sequences fall into micro-batches and ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.data.batch import Batch
+from mcore_rl.parallel import ParallelContext, megatron_cpu_compat
+from mcore_rl.train.micro_batches import pack_micro_batches, split_for_data_parallel
+
+# loss_fn(outputs, micro_batch) -> (summed loss, unit count, {metric name: summed value})
+LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Tensor | int, dict]]
+# fn(outputs, micro_batch) -> {name: [b] or [b, T] tensor}
+ForwardFn = Callable[[dict[str, torch.Tensor], Batch], dict[str, torch.Tensor]]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports (identical on every rank)."""
+
+    loss: float
+    """Global loss: summed loss / summed unit count over all micro-batches and DP ranks."""
+    grad_norm: float
+    lr: float
+    metrics: dict[str, float]
+    """Each metric's global sum divided by the global unit count."""
+    units: float
+    """Global unit count (tokens or sequences) the loss covered."""
+
+
+def shift_right(per_position: torch.Tensor) -> torch.Tensor:
+    """[b, T] outputs at positions 0..T-1 -> aligned to the token each position predicts
+    (column t holds the output at t-1; column 0 is 0)."""
+    return torch.nn.functional.pad(per_position[:, :-1], (1, 0))
+
+
+class TrainEngine:
+    """Forward/train over micro-batches for one model (actor, critic, reference, RM).
+
+    Args:
+        chunks: this rank's model chunks (one per virtual pipeline stage).
+        ctx: the parallel layout.
+        kind: ``"lm"`` (outputs log-probs [and entropy]) or ``"value"`` (scalar head
+            outputs, aligned as ``values``).
+        vocab_size: real vocabulary size (padded columns are excluded from log-probs).
+        micro_batch_tokens: padded-token budget of one micro-batch.
+        optimizer: ``(megatron_optimizer, scheduler)`` for trainable engines, else None.
+        logprob_impl: implementation switch passed to ``mcore_rl.kernels.token_logprobs``.
+    """
+
+    def __init__(self, chunks: list, ctx: ParallelContext, *, kind: str = "lm",
+                 vocab_size: int | None = None, micro_batch_tokens: int = 4096,
+                 optimizer=None, scheduler=None, logprob_impl: str = "auto"):
+        if kind not in ("lm", "value"):
+            raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
+        self.model = chunks
+        self.ctx = ctx
+        self.kind = kind
+        self.vocab_size = vocab_size
+        self.micro_batch_tokens = micro_batch_tokens
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.logprob_impl = logprob_impl
+        self.steps_done = 0
+
+    # ----- what the model computes per micro-batch ------------------------------------
+    def _head_outputs(self, output: torch.Tensor, mb: Batch, temperature: float,
+                      with_entropy: bool) -> dict[str, torch.Tensor]:
+        """Per-token outputs aligned to the tokens they describe; 0 on padding."""
+        real = mb["attention_mask"].to(torch.float32)
+        if self.kind == "value":
+            values = output.float().reshape(output.shape[0], output.shape[1])
+            return {"values": shift_right(values) * real}
+        from mcore_rl.kernels import token_logprobs
+
+        ids = mb["input_ids"]
+        res = token_logprobs(
+            output[:, :-1], ids[:, 1:], vocab_size=self.vocab_size,
+            tp_group=self.ctx.tp_group if self.ctx.tp > 1 else None, temperature=temperature,
+            return_entropy=with_entropy, impl=self.logprob_impl)
+        lp, ent = res if with_entropy else (res, None)
+        out = {"logprobs": torch.nn.functional.pad(lp, (1, 0)) * real}
+        if ent is not None:
+            out["entropy"] = torch.nn.functional.pad(ent, (1, 0)) * real
+        return out
+
+    def _plan(self, batch: Batch) -> list[list[int]]:
+        """This DP rank's micro-batches as index lists into ``batch``."""
+        lens = batch.seq_lens
+        mine = split_for_data_parallel(lens, self.ctx.dp)[self.ctx.dp_rank]
+        multiple = self.ctx.pp if self.ctx.vpp else 1
+        return pack_micro_batches(lens, mine, self.micro_batch_tokens, multiple_of=multiple)
+
+    def _run_schedule(self, batch: Batch, plan: list[list[int]], step_fn, forward_only: bool,
+                      collect: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro = [batch.select(idx).trimmed() for idx in plan]
+        if self.ctx.vpp and megatron_cpu_compat.is_applied():
+            # Over gloo the interleaved schedule cannot exchange per-micro-batch shapes (the
+            # shape messages of both directions to the same peer get crossed): give every
+            # micro-batch one shape, filling with all-padding rows that carry no loss.
+            rows, T = max(len(m) for m in micro), max(m.num_tokens for m in micro)
+            micro = [m.padded_to(rows, T) for m in micro]
+            uniform = True
+        else:
+            uniform = False
+
+        def iterator() -> Iterator[Batch]:
+            return iter(micro)
+
+        # Every virtual chunk walks the same micro-batch sequence.
+        data = [iterator() for _ in self.model] if len(self.model) > 1 else iterator()
+        config = self.model[0].config
+        config.variable_seq_lengths = self.ctx.pp > 1 and not uniform
+        return get_forward_backward_func()(
+            forward_step_func=step_fn, data_iterator=data, model=self.model,
+            num_microbatches=len(micro), seq_length=max(m.num_tokens for m in micro),
+            micro_batch_size=max(len(m) for m in micro), forward_only=forward_only,
+            collect_non_loss_data=collect)
+
+    @staticmethod
+    def _model_inputs(mb: Batch):
+        ids = mb["input_ids"]
+        position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        # Right padding + causal attention: no mask needed (see mcore_rl.data.batch).
+        return ids, position_ids
+
+    # ----- public API ----------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, batch: Batch, fn: ForwardFn | None = None, *, temperature: float = 1.0,
+                with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """Forward-only over the batch. Returns ``fn(outputs, micro_batch)`` (default: the
+        outputs: ``logprobs``/``entropy`` or ``values``) for every sequence, in batch order,
+        as [B] or [B, T] tensors, on every rank."""
+        fn = fn or (lambda outputs, mb: outputs)
+        plan = self._plan(batch)
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(*self._model_inputs(mb), attention_mask=None)
+
+            def collect(output_tensor, non_loss_data=True):
+                return {k: v.detach().float().cpu() for k, v in
+                        fn(self._head_outputs(output_tensor, mb, temperature, with_entropy), mb).items()}
+
+            return output, collect
+
+        for m in self.model:
+            m.eval()
+        results = self._run_schedule(batch, plan, step, forward_only=True, collect=True)
+        results = self._from_last_stage(results)
+        return self._assemble(batch, plan, results)
+
+    def train_batch(self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0,
+                    with_entropy: bool = False) -> StepResult:
+        """One optimizer step over the whole batch (all micro-batches, all DP ranks)."""
+        if self.optimizer is None:
+            raise RuntimeError("this engine was built without an optimizer (forward only)")
+        plan = self._plan(batch)
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(*self._model_inputs(mb), attention_mask=None)
+
+            def loss(output_tensor):
+                total, units, metrics = loss_fn(
+                    self._head_outputs(output_tensor, mb, temperature, with_entropy), mb)
+                units = torch.as_tensor(units, dtype=torch.int).reshape(())
+                report = {"loss": total.detach().clone().float(), "units": units.float(),
+                          **{k: torch.as_tensor(v).detach().clone().float() for k, v in metrics.items()}}
+                return total, units, report
+
+            return output, loss
+
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = self._run_schedule(batch, plan, step, forward_only=False, collect=False)
+        _, grad_norm, _ = self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step(increment=1)
+        self.steps_done += 1
+        sums = self._reduce_reports(reports)
+        units = sums.pop("units")
+        loss = sums.pop("loss")
+        denom = max(units, 1.0)
+        return StepResult(loss=loss / denom, grad_norm=float(grad_norm or 0.0),
+                          lr=self.optimizer.param_groups[0]["lr"],
+                          metrics={k: v / denom for k, v in sums.items()}, units=units)
+
+    # ----- moving results between ranks -----------------------------------------------
+    def _from_last_stage(self, results: list) -> list:
+        """Per-micro-batch results exist on the last pipeline stage only: share them."""
+        if self.ctx.pp == 1:
+            return results
+        box = [results if self.ctx.is_last_stage else None]
+        src = dist.get_process_group_ranks(self.ctx.pp_group)[-1]
+        dist.broadcast_object_list(box, src=src, group=self.ctx.pp_group)
+        return box[0]
+
+    def _assemble(self, batch: Batch, plan: list[list[int]], results: list) -> dict[str, torch.Tensor]:
+        """Scatter per-micro-batch results into batch order, then gather over DP ranks."""
+        pieces = [(idx, res) for idx, res in zip(plan, results)]
+        if self.ctx.dp > 1:
+            gathered: list = [None] * self.ctx.dp
+            dist.all_gather_object(gathered, pieces, group=self.ctx.dp_group)
+            pieces = [p for rank_pieces in gathered for p in rank_pieces]
+        B, T = len(batch), batch.num_tokens
+        out: dict[str, torch.Tensor] = {}
+        for idx, res in pieces:
+            rows = torch.as_tensor(idx)
+            for name, value in res.items():
+                value = value[:len(idx)]  # drop rows that only filled a uniform micro-batch shape
+                if name not in out:
+                    shape = (B,) if value.dim() == 1 else (B, T, *value.shape[2:])
+                    out[name] = torch.zeros(shape, dtype=value.dtype)
+                if value.dim() == 1:
+                    out[name][rows] = value
+                else:
+                    out[name][rows, :value.shape[1]] = value
+        return out
+
+    def _reduce_reports(self, reports: list[dict]) -> dict[str, float]:
+        names = sorted(reports[0]) if reports else []
+        if self.ctx.pp > 1:  # reports live on the last stage; every stage needs the names
+            box = [names]
+            dist.broadcast_object_list(box, src=dist.get_process_group_ranks(self.ctx.pp_group)[-1],
+                                       group=self.ctx.pp_group)
+            names = box[0]
+        local = torch.tensor([sum(float(r[n]) for r in reports) for n in names], dtype=torch.float64)
+        if self.ctx.pp > 1:
+            dist.broadcast(local, src=dist.get_process_group_ranks(self.ctx.pp_group)[-1],
+                           group=self.ctx.pp_group)
+        if self.ctx.dp > 1:
+            dist.all_reduce(local, group=self.ctx.dp_group)
+        return dict(zip(names, local.tolist()))

@@ -1,0 +1,44 @@
+"""The shared batch type: construction, selection, padding, concatenation."""
+import pytest
+import torch
+
+from mcore_rl.data.batch import Batch
+
+
+def test_from_sequences_right_pads_and_marks_response_tokens():
+    b = Batch.from_sequences([[5, 6, 7], [8, 9]], prompt_lens=[1, 1], pad_id=0, uid=["a", "b"])
+    assert b["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert b["response_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
+    assert b.seq_lens.tolist() == [3, 2] and len(b) == 2
+
+
+def test_select_keeps_tensors_and_metadata_aligned():
+    b = Batch.from_sequences([[1], [2, 2], [3, 3, 3]], uid=["a", "b", "c"])
+    s = b.select([2, 0])
+    assert s.meta["uid"] == ["c", "a"]
+    assert s["input_ids"][:, 0].tolist() == [3, 1]
+
+
+def test_trimmed_drops_only_all_padding_columns():
+    b = Batch.from_sequences([[1, 2, 3, 4], [1]]).select([1])
+    assert b.num_tokens == 4 and b.trimmed().num_tokens == 1
+
+
+def test_padded_to_adds_rows_and_columns_that_are_masked_out():
+    b = Batch.from_sequences([[1, 2]], prompt_lens=[1], uid=["a"]).padded_to(3, 4)
+    assert b["input_ids"].shape == (3, 4)
+    assert b["attention_mask"].sum() == 2 and b["response_mask"].sum() == 1
+    assert b.meta["uid"] == ["a", None, None]
+
+
+def test_cat_pads_to_the_longest_sequence():
+    a = Batch.from_sequences([[1, 2, 3]])
+    b = Batch.from_sequences([[4]])
+    c = Batch.cat([a, b])
+    assert c["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+
+
+def test_fields_with_different_sequence_counts_are_rejected():
+    with pytest.raises(ValueError, match="disagree on the number of sequences"):
+        Batch({"input_ids": torch.zeros(2, 3), "x": torch.zeros(3)})
