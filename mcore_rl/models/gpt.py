@@ -41,7 +41,7 @@ def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str =
         add_qkv_bias=arch.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=arch.attention_dropout,
-        # HF computes attention softmax and RMSNorm in fp32 for bf16 models too.
+        # HF computes the attention softmax in fp32 for bf16 models too.
         attention_softmax_in_fp32=True,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -107,10 +107,15 @@ def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
             pre_process=first, post_process=last, position_embedding_type="rope",
             rotary_base=arch.rope_theta, vp_stage=vp_stage if ctx.vpp else None)
         if head == "lm":
-            model = GPTModel(config, spec, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            model = GPTModel(config, spec,
+                             share_embeddings_and_output_weights=arch.tie_word_embeddings,
                              **kwargs)
         else:
             model = GPTValueModel(config, spec, head_seed=seed, **kwargs)
+        # Megatron creates norm weights in fp32 whatever params_dtype says; cast every
+        # parameter (as Megatron's Float16Module does) so a bf16 model is bf16 throughout,
+        # as HF's is, and round-trips bit for bit.
+        model = model.to(device=ctx.device, dtype=DTYPES[dtype])
         apply_rope_frequencies(model, arch)
-        chunks.append(model.to(ctx.device))
+        chunks.append(model)
     return chunks

@@ -71,8 +71,8 @@ def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    destroy_parallel()
+    groups_before = _live_groups()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -81,6 +81,7 @@ def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 
         # CPU checkpoint path; on CPU the main groups are gloo already.
         create_gloo_process_groups=not cpu,
     )
+    _megatron_groups[:] = [g for g in _live_groups() if g not in groups_before]
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     ctx = ParallelContext(
         layout=layout,
@@ -101,11 +102,29 @@ def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 
     return ctx
 
 
+# Process groups created by Megatron's initialize_model_parallel for the current layout.
+# Megatron drops its references on destroy but leaves most groups alive; each gloo group
+# keeps its own threads, so switching layouts in one world would pile them up.
+_megatron_groups: list = []
+
+
+def _live_groups() -> list:
+    from torch.distributed import distributed_c10d as c10d
+
+    return [g for g in c10d._world.pg_map if g is not dist.GroupMember.WORLD]
+
+
 def destroy_parallel(*, keep_process_group: bool = True) -> None:
-    """Drop Megatron's model-parallel state (and the default process group unless kept)."""
+    """Drop Megatron's model-parallel state and its process groups (and the default
+    process group unless kept)."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    live = set(_live_groups()) if dist.is_initialized() else set()
+    for group in _megatron_groups:
+        if group in live:
+            dist.destroy_process_group(group)
+    _megatron_groups.clear()
     if not keep_process_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.models import ModelArch
-from tests.world import SharedWorld
+from tests.models.worlds import shared_world
 
 # GQA (4 heads, 2 KV groups), SwiGLU, RoPE, untied embeddings; vocab not a multiple of 64.
 ARCH = ModelArch(vocab_size=250, hidden_size=64, intermediate_size=160, num_layers=2,
@@ -15,8 +15,7 @@ ARCH = ModelArch(vocab_size=250, hidden_size=64, intermediate_size=160, num_laye
 
 @pytest.fixture(scope="module")
 def world():
-    with SharedWorld(2) as w:
-        yield w
+    return shared_world(2)
 
 
 def _logits(ctx, model, tokens):

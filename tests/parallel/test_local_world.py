@@ -1,4 +1,4 @@
-"""The shared test world: a failing or hung rank fails the test quickly instead of hanging."""
+"""The shared local world: a failing or hung rank fails the test quickly instead of hanging."""
 import time
 
 import pytest
