@@ -28,3 +28,11 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid} was skipped ({reason}); only tests marked `gpu` may "
                            "skip. Install what it needs (bash scripts/install.sh) or fix the test.")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_shared_worlds_at_session_end():
+    yield
+    from tests.world import close_shared_worlds
+
+    close_shared_worlds()

@@ -18,7 +18,7 @@ from mcore_rl.convert.dcp_io import DCPReader
 from mcore_rl.models.checkpoint import MODEL_DIR
 from mcore_rl.models.safetensors_io import SafetensorsCheckpoint
 from tests.models.tiny_hf import build_tiny_hf_model, load_hf, save_tiny_hf_model
-from tests.models.worlds import shared_world
+from tests.world import shared_world
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.models import ModelArch
-from tests.models.worlds import shared_world
+from tests.world import shared_world
 
 # GQA (4 heads, 2 KV groups), SwiGLU, RoPE, untied embeddings; vocab not a multiple of 64.
 ARCH = ModelArch(vocab_size=250, hidden_size=64, intermediate_size=160, num_layers=2,

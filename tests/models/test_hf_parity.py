@@ -10,7 +10,7 @@ import torch
 
 from mcore_rl.convert import convert_hf_to_mcore
 from tests.models.tiny_hf import VARIANTS, load_hf, save_tiny_hf_model, tokens
-from tests.models.worlds import shared_world
+from tests.world import shared_world
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 ATOL = 1e-4

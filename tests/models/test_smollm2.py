@@ -11,7 +11,7 @@ import torch
 
 from mcore_rl.convert import convert_hf_to_mcore
 from mcore_rl.models.smollm2 import prepare_smollm2_hf_dir
-from tests.models.worlds import shared_world
+from tests.world import shared_world
 
 ATOL_LOGPROB = 1e-3
 PROMPTS = ["What is 12 + 7?", "Name a colour of the sky.", "Write one word that rhymes with cat."]

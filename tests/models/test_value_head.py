@@ -14,7 +14,7 @@ from mcore_rl.convert import convert_hf_to_mcore, convert_mcore_to_hf
 from mcore_rl.errors import UsageError
 from mcore_rl.models.provider import build_model
 from tests.models.tiny_hf import load_hf, save_tiny_hf_model, tokens
-from tests.models.worlds import shared_world
+from tests.world import shared_world
 
 ATOL = 1e-4
 PAD = 0

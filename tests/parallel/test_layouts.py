@@ -1,13 +1,12 @@
 """Megatron process groups for TP/PP/DP/VPP layouts, built inside one shared gloo world."""
 import pytest
 
-from tests.world import SharedWorld
+from tests.world import shared_world
 
 
 @pytest.fixture(scope="module")
 def world():
-    with SharedWorld(4) as w:
-        yield w
+    return shared_world(4)
 
 
 def _groups(rank, world_size, tp, pp, vpp):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from mcore_rl.models import ModelArch
-from tests.world import SharedWorld
+from tests.world import shared_world
 
 VOCAB = 200
 ARCH = ModelArch(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -68,8 +68,7 @@ def _run(rank, world_size, layout, ckpt, k):
 
 @pytest.fixture(scope="module")
 def world():
-    with SharedWorld(2) as w:
-        yield w
+    return shared_world(2)
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["TP2", "PP2"])

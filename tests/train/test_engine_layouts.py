@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.models import ModelArch
-from tests.world import SharedWorld
+from tests.world import shared_world
 
 VOCAB = 250
 LAYOUTS = {"TP2": (2, 1, None), "PP2": (1, 2, None), "DP2": (1, 1, None), "PP2xVPP2": (1, 2, 2)}
@@ -96,14 +96,12 @@ def _model_tensors(rank, world_size, tied, path):
 
 @pytest.fixture(scope="module")
 def oracle_world():
-    with SharedWorld(1) as w:
-        yield w
+    return shared_world(1)
 
 
 @pytest.fixture(scope="module")
 def world():
-    with SharedWorld(2) as w:
-        yield w
+    return shared_world(2)
 
 
 def max_relative_difference(a: dict, b: dict) -> tuple[float, str]:

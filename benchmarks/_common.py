@@ -1,0 +1,62 @@
+"""Shared pieces of the benchmarks: timing, comparison records, atomic JSON output.
+
+Every comparison reads ``{"ours", "baseline", "unit", "speedup"}`` (``"ratio"`` for
+memory), both sides measured in the same run on the same machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs (seconds)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def throughput_comparison(ours: float, baseline: float, unit: str) -> dict:
+    """Higher is better (e.g. tokens/s): speedup = ours / baseline."""
+    return {"ours": ours, "baseline": baseline, "unit": unit,
+            "speedup": ours / baseline if baseline else None}
+
+
+def time_comparison(ours: float, baseline: float, unit: str = "s") -> dict:
+    """Lower is better (durations): speedup = baseline / ours."""
+    return {"ours": ours, "baseline": baseline, "unit": unit,
+            "speedup": baseline / ours if ours else None}
+
+
+def memory_comparison(ours: float, baseline: float, unit: str = "MiB") -> dict:
+    """Lower is better: ratio = ours / baseline."""
+    return {"ours": ours, "baseline": baseline, "unit": unit,
+            "ratio": ours / baseline if baseline else None}
+
+
+def machine_info() -> dict:
+    return {"torch": torch.__version__, "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "cuda": torch.cuda.is_available(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    """Write ``data`` atomically (temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,16 @@
+"""`mcore-rl bench train-engine --quick` writes the comparison JSON it promises."""
+import json
+
+from mcore_rl.cli.main import main
+
+
+def test_train_engine_bench_reports_ours_against_baselines(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "train-engine", "--quick", "--threads", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {f"{p}_{l}" for p in ("forward", "train_step")
+                                      for l in ("tp1", "tp2", "pp2")}
+    for entry in report["results"].values():
+        assert entry["unit"] == "tokens/s"
+        assert entry["ours"] > 0 and entry["baseline"] > 0
+        assert entry["speedup"] == entry["ours"] / entry["baseline"]
