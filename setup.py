@@ -1,9 +1,10 @@
 """mcore-rl: Megatron-Core-centric RL post-training for large language models."""
 from setuptools import find_packages, setup
 
-# The top-level folders `kernels/` and `benchmarks/` are installed as subpackages of
-# mcore_rl (never as a top-level `kernels`: transformers probes a PyPI package of that name).
-MAPPED = {"mcore_rl.kernels": "kernels", "mcore_rl.benchmarks": "benchmarks"}
+# The top-level folders `kernels/`, `benchmarks/` and `launch/` are installed as subpackages
+# of mcore_rl (never as a top-level `kernels`: transformers probes a PyPI package of that name).
+MAPPED = {"mcore_rl.kernels": "kernels", "mcore_rl.benchmarks": "benchmarks",
+          "mcore_rl.launch": "launch"}
 
 
 def mapped_packages():
@@ -23,7 +24,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["mcore_rl", "mcore_rl.*"]) + mapped_packages(),
     package_dir={"mcore_rl": "mcore_rl", **MAPPED},
-    package_data={"mcore_rl": ["py.typed"]},
+    package_data={"mcore_rl": ["py.typed"], "mcore_rl.launch": ["templates/*.sh"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16.1,<0.17",

@@ -2,31 +2,58 @@
 from __future__ import annotations
 
 import json
+import os
 
 from mcore_rl.config import RLConfig
-from mcore_rl.parallel import Layout, destroy_parallel, initialize_parallel
+from mcore_rl.parallel import Layout, destroy_parallel, init_process_group, initialize_parallel
 
 
 def rank_main(cfg: RLConfig) -> None:
-    """Initialise the layout, run the job, write its summary (rank 0)."""
+    """Join the world (preflight), initialise the layout, run the job, write its summary.
+
+    On an agreed stop request (preemption) the run saves a checkpoint and this process
+    exits with `stop_exit_code()` after acknowledging it; see `mcore_rl.launch.stop_signal`.
+    """
     from pathlib import Path
 
+    from mcore_rl.launch.preflight import describe, run_preflight
+    from mcore_rl.launch.stop_signal import StopRequested, StopSignal, stop_exit_code
     from mcore_rl.train.smoke import run_smoke
 
+    stop = StopSignal().install()
     p = cfg.parallel
+    init_process_group(p.backend)
+    peers = run_preflight(timeout_s=cfg.launch.preflight_timeout_s, device=_device())
     ctx = initialize_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed, backend=p.backend)
     if ctx.rank == 0:
-        print(f"mcore-rl: {ctx.world_size} rank(s), layout {ctx.layout}, device {ctx.device.type}",
-              flush=True)
-    losses = run_smoke(cfg, ctx, steps=cfg.train.steps)
+        print(f"mcore-rl: {ctx.world_size} rank(s), layout {ctx.layout}, device {ctx.device.type}; "
+              f"preflight ok: {describe(peers)}", flush=True)
+    try:
+        losses = run_smoke(cfg, ctx, steps=cfg.train.steps, stop=stop)
+    except StopRequested as req:
+        stop.acknowledge(ctx, req.step)
+        if ctx.rank == 0:
+            print(f"mcore-rl: stopped on request after step {req.step}; checkpoint "
+                  f"{req.checkpoint}; resume by running the same command again", flush=True)
+        destroy_parallel(keep_process_group=False)
+        raise SystemExit(stop_exit_code()) from None
+    finally:
+        stop.uninstall()
     if ctx.rank == 0:
         out = Path(cfg.logging.dir)
         out.mkdir(parents=True, exist_ok=True)
-        summary = {"layout": str(ctx.layout), "steps": len(losses), "losses": losses}
+        summary = {"layout": str(ctx.layout), "steps": len(losses), "losses": losses,
+                   "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0"))}
         (out / "smoke_summary.json").write_text(json.dumps(summary, indent=1))
         print(f"mcore-rl: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; "
               f"summary in {out / 'smoke_summary.json'}", flush=True)
     destroy_parallel(keep_process_group=False)
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def rank_main_from_dict(data: dict) -> None:

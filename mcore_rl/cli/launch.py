@@ -1,15 +1,90 @@
-"""`mcore-rl launch`: start training on a cluster (SLURM)."""
+"""`mcore-rl launch slurm CONFIG [overrides] --nodes N (--gpus-per-node G | --procs-per-node P)`.
+
+Checks the request before anything reaches the cluster: the config must fit the world size
+(nodes x ranks per node), the cluster must have the partition (or a default one); then it
+renders the job script (``--dry-run`` prints it and stops), submits it and prints the job id
+and the log path. Command-line values override the config's ``launch`` section.
+"""
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from mcore_rl.config import load_config, validate_config
 from mcore_rl.errors import UsageError
+
+
+def build_request(args):
+    """The `SbatchRequest` for ``args`` (config validated against the world size)."""
+    from mcore_rl.config.validate import validate_layout
+    from mcore_rl.launch.sbatch import SbatchRequest
+
+    if (args.gpus_per_node is None) == (args.procs_per_node is None):
+        raise UsageError("give exactly one of --gpus-per-node G (GPU nodes, one rank per GPU) or "
+                         "--procs-per-node P (CPU nodes)")
+    cfg = load_config(args.config, args.overrides)
+    launch = cfg.launch
+    nodes = launch.nodes if args.nodes is None else args.nodes
+    per_node = args.gpus_per_node if args.gpus_per_node is not None else args.procs_per_node
+    if nodes < 1 or per_node < 1:
+        raise UsageError(f"--nodes and ranks per node must be >= 1, got {nodes} and {per_node}")
+    world = nodes * per_node
+    try:
+        validate_config(cfg, world_size=world)
+    except UsageError as err:
+        raise type(err)(f"{nodes} node(s) x {per_node} rank(s) = {world} ranks: {err}") from None
+    p = cfg.parallel
+    layout = f"TP{p.tp}xPP{p.pp}xDP{validate_layout(cfg, world)}"
+    req = SbatchRequest(
+        config=str(Path(args.config).resolve()), overrides=list(args.overrides),
+        run_dir=str(Path(cfg.logging.dir).resolve()), workdir=str(Path.cwd()),
+        python=sys.executable, nodes=nodes, procs_per_node=per_node,
+        gpus_per_node=args.gpus_per_node, cpus_per_node=launch.cpus_per_node,
+        threads_per_rank=p.cpu_threads_per_rank,
+        partition=args.partition if args.partition is not None else launch.partition,
+        time=args.time or launch.time,
+        account=args.account if args.account is not None else launch.account,
+        job_name=launch.job_name, signal_lead_s=launch.signal_lead_s)
+    return req, layout
+
+
+def run(args) -> int:
+    from mcore_rl.launch import sbatch
+
+    req, layout = build_request(args)
+    if args.dry_run:
+        print(sbatch.render_sbatch(req), end="")
+        return 0
+    sbatch.require_slurm_client()
+    req = replace(req, partition=sbatch.resolve_partition(req.partition))
+    script = sbatch.render_sbatch(req)
+    run_dir = Path(req.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)  # SLURM does not create the log's directory
+    job_id = sbatch.submit(script)
+    (run_dir / f"slurm-{job_id}.sbatch").write_text(script)
+    ranks = f"{req.nodes} node(s) x {req.procs_per_node} rank(s)"
+    print(f"mcore-rl launch: submitted job {job_id}: {ranks}, layout {layout}, "
+          f"partition {req.partition}")
+    print(f"  log:    {sbatch.log_file(req, job_id)}")
+    print(f"  script: {run_dir / f'slurm-{job_id}.sbatch'}")
+    print(f"  watch:  squeue -j {job_id}; checkpoint and requeue now: "
+          f"scancel --batch --signal=USR1 {job_id}")
+    return 0
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("launch", help="submit training to a cluster (SLURM)")
     p.add_argument("scheduler", choices=["slurm"], help="cluster scheduler")
-
-    def run(args) -> int:
-        raise UsageError("`mcore-rl launch slurm` is not available yet; run `mcore-rl train "
-                         "CONFIG --nproc N` on one machine, or torchrun mcore-rl train CONFIG")
-
+    p.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: launch.nodes)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPU nodes: GPUs per node, one rank each")
+    p.add_argument("--procs-per-node", type=int, default=None, help="CPU nodes: ranks per node")
+    p.add_argument("--partition", default=None, help="partition (default: launch.partition, "
+                                                     "else the cluster's default)")
+    p.add_argument("--time", default=None, help="time limit, e.g. 04:00:00 (default: launch.time)")
+    p.add_argument("--account", default=None, help="account (default: launch.account)")
+    p.add_argument("--dry-run", action="store_true", help="print the job script, submit nothing")
     p.set_defaults(func=run)

@@ -89,6 +89,29 @@ class RolloutConfig:
 
 
 @dataclass
+class ReshardConfig:
+    """Streaming the trainer's weights into the rollout engine after every step."""
+
+    bucket_mb: float = 256.0
+    """Size of the shared-memory bucket weights travel through; bounds the extra memory of a
+    sync (an engine module larger than this gets a bucket of its own)."""
+    shm_dir: str = "/dev/shm"
+    """Directory of the bucket file (a tmpfs: RAM, no disk)."""
+    wire_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Dtype of the weights in the bucket; auto: the trainer's parameter dtype."""
+    verify: bool = True
+    """After each sync, compare engine and trainer log-probs on a fixed probe batch and fail
+    above verify_tolerance."""
+    verify_tolerance: float = 0.05
+    """Largest allowed |engine - trainer| log-prob on probe tokens (fp32 agrees to ~1e-5,
+    bf16 to a few 1e-2)."""
+    verify_prompts: int = 2
+    """Probe prompts (fixed, pseudo-random token ids)."""
+    verify_new_tokens: int = 16
+    """Tokens the engine samples per probe prompt."""
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL objective."""
 
@@ -246,6 +269,16 @@ class LaunchConfig:
     """SLURM time limit."""
     account: str = ""
     """SLURM account."""
+    cpus_per_node: int = 0
+    """CPU cores per node; 0: ranks x parallel.cpu_threads_per_rank (CPU), cluster default (GPU)."""
+    job_name: str = "mcore-rl"
+    """SLURM job name."""
+    signal_lead_s: int = 300
+    """SLURM signals the job this many seconds before its time limit to checkpoint and requeue
+    (--signal=B:USR1@N); leave room for one step and a checkpoint."""
+    preflight_timeout_s: int = 300
+    """Seconds each rank waits for all others in the start-up collective before it fails,
+    naming its node and rank."""
 
 
 @dataclass
@@ -258,6 +291,12 @@ class TrainConfig:
     """Global seed; sampling seeds derive from (seed, step, prompt, sample)."""
     val_every: int = 5
     """Evaluate the validation set every N steps; 0 disables."""
+    warm_start_steps: int = 0
+    """Supervised steps on the task's reference answers before RL (0: none)."""
+    warm_start_lr: float = 1e-3
+    """Learning rate of the supervised warm start."""
+    warm_start_batch: int = 32
+    """Prompts per supervised warm-start step."""
 
 
 @dataclass
@@ -270,6 +309,8 @@ class RLConfig:
     """Parallel layout of the trainer."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
+    reshard: ReshardConfig = field(default_factory=ReshardConfig)
+    """Weight sync into the rollout engine."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """RL objective."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

@@ -1,0 +1,127 @@
+"""The sbatch script and `mcore-rl launch slurm` checks that need no cluster."""
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mcore_rl.cli.main import main
+from mcore_rl.launch.sbatch import SbatchRequest, render_sbatch
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "configs" / "quickstart.yaml")
+
+
+def _request(**kw) -> SbatchRequest:
+    base = dict(config=CONFIG, overrides=["train.steps=6"], run_dir="/shared/runs/a",
+                workdir="/shared/work", python="/opt/venv/bin/python", nodes=2, procs_per_node=2)
+    return SbatchRequest(**{**base, **kw})
+
+
+def _directives(script: str) -> list[str]:
+    return [line.split(None, 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_script_asks_for_requeue_appended_log_and_a_usr1_warning_before_the_time_limit():
+    script = render_sbatch(_request(time="02:00:00", signal_lead_s=240, partition="batch",
+                                    account="proj"))
+    d = _directives(script)
+    for expected in ["--nodes=2", "--ntasks-per-node=1", "--requeue", "--open-mode=append",
+                     "--signal=B:USR1@240", "--time=02:00:00", "--partition=batch",
+                     "--account=proj", "--output=/shared/runs/a/slurm-%j.log",
+                     "--chdir=/shared/work", "--cpus-per-task=2"]:
+        assert expected in d, (expected, d)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid bash
+
+
+def test_script_runs_one_torchrun_per_node_with_rendezvous_from_the_allocation():
+    script = render_sbatch(_request())
+    assert 'srun --nodes="$SLURM_NNODES" --ntasks-per-node=1' in script
+    assert "-m torch.distributed.run" in script and "--nproc-per-node=2" in script
+    assert '--rdzv-backend=c10d --rdzv-endpoint="$head_node:$rdzv_port"' in script
+    assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in script
+    assert "PYTHON=/opt/venv/bin/python" in script
+
+
+def test_overrides_with_spaces_and_quotes_reach_the_ranks_unchanged():
+    overrides = ["logging.dir=/runs/with space", "model.path=it's/here"]
+    script = render_sbatch(_request(overrides=overrides))
+    line = next(ln for ln in script.splitlines() if "mcore_rl.cli.main train" in ln)
+    words = shlex.split(line.split("mcore_rl.cli.main", 1)[1].rstrip("& "))
+    assert words == ["train", CONFIG, *overrides]
+
+
+def test_gpu_nodes_get_gpus_and_nccl_defaults_cpu_nodes_get_cores_and_no_gpus():
+    gpu = render_sbatch(_request(gpus_per_node=8, procs_per_node=8))
+    assert "--gpus-per-node=8" in _directives(gpu)
+    assert not any(d.startswith("--cpus-per-task") for d in _directives(gpu))
+    assert 'TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"' in gpu
+    cpu = render_sbatch(_request(threads_per_rank=3))
+    assert "--cpus-per-task=6" in _directives(cpu) and "--cpus-per-task=6 " in cpu  # sbatch, srun
+    assert 'CUDA_VISIBLE_DEVICES=""' in cpu and "NCCL" not in cpu
+    assert 'OMP_NUM_THREADS="${OMP_NUM_THREADS:-3}"' in cpu
+
+
+@pytest.fixture
+def recording_sbatch(tmp_path, monkeypatch):
+    """A `sbatch` (and `sinfo`) on PATH that records any call: proves nothing was submitted."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "sbatch-called"
+    bin_dir.mkdir()
+    for name in ("sbatch", "sinfo"):
+        tool = bin_dir / name
+        tool.write_text(f"#!/bin/sh\necho {name} >> {record}\nexit 1\n")
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return record
+
+
+def _launch(capsys, *args):
+    code = main(["launch", "slurm", CONFIG, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dry_run_prints_the_script_and_submits_nothing(capsys, tmp_path, recording_sbatch):
+    code, out, err = _launch(capsys, f"logging.dir={tmp_path}/run", "--nodes", "2",
+                             "--procs-per-node", "1", "--dry-run")
+    assert code == 0, err
+    assert out.startswith("#!/bin/bash") and f"logging.dir={tmp_path}/run" in out
+    assert not recording_sbatch.exists()
+
+
+def test_more_ranks_than_the_layout_allows_fail_in_one_line_before_submission(
+        capsys, tmp_path, recording_sbatch):
+    code, out, err = _launch(capsys, f"logging.dir={tmp_path}", "parallel.dp=1", "--nodes", "2",
+                             "--procs-per-node", "2", "--partition", "debug")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "2 node(s) x 2 rank(s) = 4 ranks" in err and "tp*pp*dp = 2*1*1 = 2" in err
+    code, out, err = _launch(capsys, "--nodes", "3", "--procs-per-node", "1")
+    assert code == 2 and "world size 3 is not a multiple of tp*pp = 2" in err
+    assert not recording_sbatch.exists() and out == ""
+
+
+@pytest.mark.parametrize("flags", [[], ["--gpus-per-node", "1", "--procs-per-node", "1"]],
+                         ids=["neither", "both"])
+def test_launch_needs_exactly_one_of_gpus_or_procs_per_node(capsys, flags, recording_sbatch):
+    code, _, err = _launch(capsys, "--nodes", "2", *flags)
+    assert code == 2 and "exactly one of --gpus-per-node G" in err
+    assert not recording_sbatch.exists()
+
+
+def test_launch_without_sbatch_on_path_fails_in_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM client here
+    code, out, err = _launch(capsys, f"logging.dir={tmp_path}/run", "--nodes", "2",
+                             "--procs-per-node", "1")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "sbatch and sinfo not found on PATH" in err and "--dry-run" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_launch_command_does_not_import_torch_on_the_login_node():
+    probe = ("import sys; import mcore_rl.cli.launch, mcore_rl.launch.sbatch; "
+             "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
