@@ -20,6 +20,8 @@ def rank_main(cfg: RLConfig) -> None:
     from mcore_rl.launch.stop_signal import StopRequested, StopSignal, stop_exit_code
     from mcore_rl.train.smoke import run_smoke
 
+    # vLLM logs every request at INFO; keep the console for the run's own progress.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     stop = StopSignal().install()
     p = cfg.parallel
     init_process_group(p.backend)
@@ -29,6 +31,12 @@ def rank_main(cfg: RLConfig) -> None:
         print(f"mcore-rl: {ctx.world_size} rank(s), layout {ctx.layout}, device {ctx.device.type}; "
               f"preflight ok: {describe(peers)}", flush=True)
     try:
+        if cfg.train.job == "rl":
+            from mcore_rl.trainer import train
+
+            train(cfg, ctx, stop=stop)
+            destroy_parallel(keep_process_group=False)
+            return
         losses = run_smoke(cfg, ctx, steps=cfg.train.steps, stop=stop)
     except StopRequested as req:
         stop.acknowledge(ctx, req.step)

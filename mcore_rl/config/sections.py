@@ -285,6 +285,8 @@ class LaunchConfig:
 class TrainConfig:
     """The RL run as a whole."""
 
+    job: Literal["rl", "smoke"] = "rl"
+    """rl: the RL loop; smoke: a synthetic next-token run that checks a parallel layout."""
     steps: int = 20
     """RL steps (generate -> score -> update -> sync)."""
     seed: int = 1234

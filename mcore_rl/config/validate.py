@@ -26,7 +26,9 @@ def model_shape(cfg: RLConfig) -> ModelShape:
     m = cfg.model
     if not m.path:
         return ModelShape(m.num_layers, m.num_attention_heads, m.num_kv_heads)
-    config_file = Path(m.path) / "config.json"
+    from mcore_rl.models.builtin import resolve_model_path
+
+    config_file = resolve_model_path(m.path) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"model.path: '{m.path}' has no config.json; point it at a HuggingFace "
                           "checkpoint directory or a `mcore-rl convert hf-to-mcore` output")

@@ -171,8 +171,11 @@ class TrainEngine:
         return self._assemble(batch, plan, results)
 
     def train_batch(self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0,
-                    with_entropy: bool = False) -> StepResult:
-        """One optimizer step over the whole batch (all micro-batches, all DP ranks)."""
+                    with_entropy: bool = False, lr: float | None = None) -> StepResult:
+        """One optimizer step over the whole batch (all micro-batches, all DP ranks).
+
+        ``lr`` overrides the learning rate for this step only; the schedule does not advance.
+        """
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (forward only)")
         plan = self._plan(batch)
@@ -196,9 +199,13 @@ class TrainEngine:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = self._run_schedule(batch, plan, step, forward_only=False, collect=False)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         _, grad_norm, _ = self.optimizer.step()
         if self.scheduler is not None:
-            self.scheduler.step(increment=1)
+            # After an override, put back the schedule's rate (increment 0) for the next step.
+            self.scheduler.step(increment=0 if lr is not None else 1)
         self.steps_done += 1
         sums = self._reduce_reports(reports)
         units = sums.pop("units")

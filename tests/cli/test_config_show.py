@@ -22,7 +22,7 @@ def run_cli(*args):
 
 
 def test_show_prints_the_resolved_config_with_overrides():
-    proc = run_cli("config", "show", "configs/quickstart.yaml", "rollout.temperature=0.5")
+    proc = run_cli("config", "show", "configs/smoke.yaml", "rollout.temperature=0.5")
     assert proc.returncode == 0, proc.stderr
     shown = yaml.safe_load(proc.stdout.replace("NOTHING-STARTED", ""))
     assert shown["rollout"]["temperature"] == 0.5
@@ -30,7 +30,7 @@ def test_show_prints_the_resolved_config_with_overrides():
 
 
 def test_tp_that_does_not_divide_heads_exits_2_with_one_line_and_starts_nothing():
-    proc = run_cli("config", "show", "configs/quickstart.yaml", "parallel.tp=3")
+    proc = run_cli("config", "show", "configs/smoke.yaml", "parallel.tp=3")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines == ["mcore-rl config: error: parallel.tp=3 does not divide the model's 4 attention "

@@ -11,7 +11,7 @@ from mcore_rl.cli.main import main
 from mcore_rl.launch.sbatch import SbatchRequest, render_sbatch
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = str(REPO / "configs" / "quickstart.yaml")
+CONFIG = str(REPO / "configs" / "smoke.yaml")
 
 
 def _request(**kw) -> SbatchRequest:

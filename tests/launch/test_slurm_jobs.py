@@ -45,7 +45,7 @@ def cluster():
 
 def launch(cluster, run_dir, *args):
     return subprocess.run(
-        [MCORE_RL, "launch", "slurm", "configs/quickstart.yaml", f"train.steps={STEPS}",
+        [MCORE_RL, "launch", "slurm", "configs/smoke.yaml", f"train.steps={STEPS}",
          f"logging.dir={run_dir}", *args], capture_output=True, text=True, cwd=REPO,
         env=cluster.env, timeout=120)
 

@@ -70,7 +70,7 @@ def test_all_ranks_agree_to_stop_when_one_rank_sees_the_stop_file(world, tmp_pat
 
 def test_train_stops_on_the_stop_file_with_status_3_and_the_rerun_resumes_from_its_checkpoint(
         tmp_path):
-    cmd = [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/quickstart.yaml",
+    cmd = [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/smoke.yaml",
            "--nproc", "1", "parallel.tp=1", "train.steps=4", f"logging.dir={tmp_path}"]
     stop_file = tmp_path / ".stop"
     stop_file.touch()

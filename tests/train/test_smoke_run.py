@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_quickstart_smoke_run_trains_on_two_ranks_and_loss_falls(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/quickstart.yaml",
+        [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/smoke.yaml",
          "--nproc", "2", "train.steps=8", f"logging.dir={tmp_path}"],
         capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -21,7 +21,7 @@ def test_quickstart_smoke_run_trains_on_two_ranks_and_loss_falls(tmp_path):
 
 def test_train_rejects_a_layout_that_does_not_fit_before_starting_ranks(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/quickstart.yaml",
+        [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/smoke.yaml",
          "--nproc", "3", f"logging.dir={tmp_path}"],
         capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2

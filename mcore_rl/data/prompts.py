@@ -1,0 +1,111 @@
+"""Prompt sources: JSONL/parquet files, reasoning-gym generators, the built-in toy task.
+
+A source yields `PromptRecord`s in a fixed seeded order and can say where it is
+(`position`) so a resumed run continues with the same prompts.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mcore_rl.config import DataConfig
+from mcore_rl.errors import UsageError
+
+
+@dataclass
+class PromptRecord:
+    prompt: str
+    """Prompt text as given by the dataset (before any chat template)."""
+    meta: dict = field(default_factory=dict)
+    """What the reward function receives (e.g. ``answer``)."""
+
+
+def read_records(path: str | Path, prompt_key: str, answer_key: str) -> list[PromptRecord]:
+    """JSONL or parquet rows -> records; a missing field names the file, row and key."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"data file '{path}' does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    else:
+        rows = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise UsageError(f"{path}:{n} is not valid JSON ({err.msg})") from None
+    records = []
+    for n, row in enumerate(rows, 1):
+        for key, name in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+            if key not in row:
+                raise UsageError(f"{path}: row {n} has no field '{key}' ({name}); fields there: "
+                                 f"{', '.join(sorted(row))}")
+        meta = {k: v for k, v in row.items() if k != prompt_key}
+        meta["answer"] = row[answer_key]
+        records.append(PromptRecord(str(row[prompt_key]), meta))
+    if not records:
+        raise UsageError(f"data file '{path}' holds no records")
+    return records
+
+
+def reasoning_gym_records(task: str, size: int, seed: int) -> list[PromptRecord]:
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise UsageError("data.source=reasoning_gym needs: pip install reasoning-gym") from None
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    except Exception as err:  # noqa: BLE001 - unknown task names etc.
+        raise UsageError(f"reasoning-gym cannot create task '{task}' (data.task): {err}") from None
+    return [PromptRecord(e["question"], {"answer": e["answer"], "entry": e, "task": task})
+            for e in dataset]
+
+
+class PromptStream:
+    """Endless seeded epochs over records; ``position`` counts records handed out."""
+
+    def __init__(self, records: list[PromptRecord], seed: int):
+        self.records = records
+        self.seed = seed
+        self.position = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[PromptRecord]:
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.position, len(self.records))
+            out.append(self.records[self._order(epoch)[i]])
+            self.position += 1
+        return out
+
+
+def load_prompt_records(cfg: DataConfig, split: str) -> list[PromptRecord]:
+    """Train or validation records of the configured source."""
+    if cfg.source in ("jsonl", "parquet"):
+        if split == "val" and cfg.val_path:
+            return read_records(cfg.val_path, cfg.prompt_key, cfg.answer_key)
+        if not cfg.path:
+            raise UsageError(f"data.source={cfg.source} needs data.path")
+        records = read_records(cfg.path, cfg.prompt_key, cfg.answer_key)
+        if split == "val":
+            return records[:cfg.num_val]
+        return records[cfg.num_val:] if not cfg.val_path and len(records) > cfg.num_val else records
+    if cfg.source == "reasoning_gym":
+        if not cfg.task:
+            raise UsageError("data.source=reasoning_gym needs data.task (e.g. basic_arithmetic)")
+        seed = cfg.seed + (7919 if split == "val" else 0)
+        return reasoning_gym_records(cfg.task, cfg.num_val if split == "val" else 2000, seed)
+    if cfg.source == "builtin":
+        from mcore_rl.data.toy_task import toy_records
+
+        return toy_records(split, cfg.num_val, cfg.seed)
+    raise UsageError(f"unknown data.source '{cfg.source}'")

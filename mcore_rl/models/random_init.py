@@ -1,0 +1,32 @@
+"""A randomly initialised HF Llama directory from the inline architecture of ``ModelConfig``.
+
+Used when ``model.path`` is empty (the built-in quick start): the run then starts from an HF
+directory like any other, so the rollout engine, conversion and export see a normal model.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mcore_rl.config import ModelConfig
+
+
+def write_random_llama(model: ModelConfig, out_dir: str | Path, vocab_size: int,
+                       bos_id: int, eos_id: int, pad_id: int, seed: int) -> Path:
+    """Save a random ``LlamaForCausalLM`` (fp32 safetensors + generation config)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size, num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_kv_heads,
+        head_dim=model.hidden_size // model.num_attention_heads,
+        max_position_embeddings=model.max_position_embeddings,
+        tie_word_embeddings=model.tie_word_embeddings, rms_norm_eps=1e-5,
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, torch_dtype="float32")
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out)
+    return out

@@ -1,0 +1,196 @@
+"""The phases of one RL step. Each is a function ``(state, batch) -> batch`` (or metrics) of
+its own, collective over the trainer ranks, with no hidden global state, so the loop can be
+re-arranged (e.g. generation of step k+1 beside training of step k) without rewriting them.
+
+Every rank holds the whole rollout batch: the controller (rank 0) drives the engine and
+broadcasts what it generated and scored. Group statistics (GRPO/RLOO) and advantage
+whitening therefore see all samples, however the train engine later splits the batch over
+data-parallel ranks.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.algos import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_per_token
+from mcore_rl.algos.objective import actor_loss_fn, critic_loss_fn
+from mcore_rl.data.batch import Batch
+from mcore_rl.engines import sampling_from_config
+from mcore_rl.rewards import score_all
+
+
+def request_seed(seed: int, step: int, prompt: int) -> int:
+    """Per-request sampling seed derived from (run seed, step, prompt); the engine derives
+    each sample's stream from it and the sample index."""
+    digest = hashlib.sha256(f"{seed}/{step}/{prompt}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _broadcast(obj, ctx):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def encode_prompts(state, records) -> tuple[list[list[int]], list[dict], int]:
+    """Token ids of prompts within the length limit (and how many were filtered out)."""
+    ids, metas = [], []
+    for r in records:
+        tokens = state.tokenizer.encode_prompt(r.prompt, state.cfg.data.apply_chat_template)
+        if len(tokens) <= state.cfg.rollout.max_prompt_tokens:
+            ids.append(tokens)
+            metas.append({"prompt": r.prompt, **r.meta})
+    return ids, metas, len(records) - len(ids)
+
+
+def generate(state, records, *, greedy: bool = False) -> Batch:
+    """Prompts -> rollouts (n per prompt; one greedy sample each for validation)."""
+    cfg = state.cfg
+    prompt_ids, metas, filtered = encode_prompts(state, records)
+    if not prompt_ids:
+        raise RuntimeError(f"every prompt of step {state.step} is longer than "
+                           f"rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens}")
+    batch = None
+    if state.is_controller:
+        sampling = sampling_from_config(cfg.rollout, stop_token_ids=[state.tokenizer.eos_id])
+        if greedy:
+            sampling = type(sampling)(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens,
+                                      stop_token_ids=sampling.stop_token_ids)
+        seeds = [request_seed(cfg.train.seed, state.step, i) for i in range(len(prompt_ids))]
+        rollouts = state.rollout.generate(prompt_ids, sampling, seeds=seeds)
+        batch = rollouts.to_batch(pad_id=state.tokenizer.pad_id)
+        batch.meta["prompt_meta"] = [metas[s.prompt_index] for s in rollouts.samples]
+        batch.meta["response_text"] = [state.tokenizer.decode(s.token_ids) for s in rollouts.samples]
+        batch.info["filtered_prompts"] = filtered
+    batch = _broadcast(batch, state.ctx)
+    truncated = torch.tensor([r == "length" for r in batch.meta["finish_reason"]])
+    batch = batch.with_tensors(truncated=truncated)
+    if cfg.rollout.truncated_response == "mask":
+        batch = batch.with_tensors(response_mask=batch["response_mask"] * (~truncated).long()[:, None])
+    return batch
+
+
+def score(state, batch: Batch) -> Batch:
+    """Rewards on the controller, shared; the score sits on the last response token."""
+    scores = None
+    if state.is_controller:
+        prompts = [m["prompt"] for m in batch.meta["prompt_meta"]]
+        scores = score_all(state.reward_fn, prompts, batch.meta["response_text"],
+                           batch.meta["prompt_meta"])
+        if state.cfg.rollout.truncated_response == "penalize":
+            scores = torch.where(batch["truncated"], torch.tensor(state.cfg.reward.truncation_penalty),
+                                 scores)
+    scores = _broadcast(scores, state.ctx)
+    rewards = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    last = (batch.seq_lens - 1).clamp(min=0)
+    has_response = batch["response_mask"].sum(-1) > 0
+    rows = torch.arange(len(batch))[has_response]
+    rewards[rows, last[has_response]] = scores[has_response]
+    return batch.with_tensors(scores=scores, token_rewards=rewards)
+
+
+def on_policy(cfg) -> bool:
+    """One epoch over one mini-batch: the update starts from the generating weights."""
+    return cfg.algorithm.ppo_epochs == 1 and cfg.algorithm.mini_batches == 1
+
+
+def old_logprobs(state, batch: Batch) -> Batch:
+    """The trainer's log-probs under the weights that generated the batch."""
+    temperature = state.cfg.rollout.temperature or 1.0
+    if on_policy(state.cfg):
+        return batch  # filled in by the first (and only) update from its own forward
+    lp = state.actor.forward(batch, temperature=temperature)["logprobs"]
+    return batch.with_tensors(old_logprobs=lp)
+
+
+def reference_logprobs(state, batch: Batch) -> Batch:
+    if state.reference is None:
+        return batch
+    temperature = state.cfg.rollout.temperature or 1.0
+    ref = state.reference.forward(batch, temperature=temperature)["logprobs"]
+    batch = batch.with_tensors(ref_logprobs=ref)
+    if state.cfg.algorithm.kl_in_reward:
+        policy_lp = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
+        kl = kl_per_token(policy_lp, ref, state.cfg.algorithm.kl_estimator) * batch["response_mask"]
+        batch = batch.with_tensors(token_rewards=batch["token_rewards"] - state.kl.coef * kl)
+    return batch
+
+
+def values(state, batch: Batch) -> Batch:
+    if state.critic is None:
+        return batch
+    return batch.with_tensors(old_values=state.critic.forward(batch)["values"])
+
+
+def advantages(state, batch: Batch) -> Batch:
+    a = state.cfg.algorithm
+    estimator = ADVANTAGE_ESTIMATORS.get(a.advantage_estimator)
+    inputs = AdvantageInputs(batch["token_rewards"], batch["response_mask"], batch["group_id"],
+                             batch["old_values"] if "old_values" in batch else None)
+    adv, returns = estimator(inputs, gamma=a.gamma, lam=a.lam, whiten=a.whiten_advantages)
+    return batch.with_tensors(advantages=adv, returns=returns)
+
+
+def _mini_batches(batch: Batch, n: int, epoch: int, seed: int) -> list[Batch]:
+    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed * 131 + epoch))
+    return [batch.select(chunk) for chunk in torch.chunk(order, n) if len(chunk)]
+
+
+def _with_current_as_old(loss):
+    """The loss with old log-probs taken from the micro-batch's own forward pass (detached):
+    before the first optimizer step of a rollout batch they are the generating policy's,
+    and taking them from the same pass makes the importance ratio exactly 1."""
+
+    def fn(outputs, micro):
+        return loss(outputs, micro.with_tensors(old_logprobs=outputs["logprobs"].detach()))
+
+    return fn
+
+
+def update_actor(state, batch: Batch) -> dict[str, float]:
+    """PPO epochs over mini-batches. The first mini-batch of a step starts from the weights
+    that generated the batch, so its old log-probs come from its own forward pass (ratio
+    exactly 1); later ones use the log-probs computed before the update (`old_logprobs`)."""
+    a, temperature = state.cfg.algorithm, state.cfg.rollout.temperature or 1.0
+    loss = actor_loss_fn(a, state.kl.coef)
+    results = []
+    for epoch in range(a.ppo_epochs):
+        for mb in _mini_batches(batch, a.mini_batches, epoch, state.cfg.train.seed + state.step):
+            fn = _with_current_as_old(loss) if not results else loss
+            results.append(state.actor.train_batch(mb, fn, temperature=temperature,
+                                                   with_entropy=True))
+    last = results[-1]
+    return {"actor/loss": sum(r.loss for r in results) / len(results),
+            "actor/grad_norm": last.grad_norm, "actor/lr": last.lr,
+            "actor/first_minibatch_ratio_abs_dev": results[0].metrics["ratio_abs_dev"],
+            **{f"actor/{k}": v for k, v in last.metrics.items()}}
+
+
+def update_critic(state, batch: Batch) -> dict[str, float]:
+    if state.critic is None:
+        return {}
+    a = state.cfg.algorithm
+    results = [state.critic.train_batch(mb, critic_loss_fn(a))
+               for epoch in range(a.ppo_epochs)
+               for mb in _mini_batches(batch, a.mini_batches, epoch, state.cfg.train.seed + state.step)]
+    return {"critic/loss": sum(r.loss for r in results) / len(results),
+            "critic/grad_norm": results[-1].grad_norm}
+
+
+def sync_weights(state) -> dict[str, float]:
+    """Stream the new actor weights into the engine (and optionally verify them)."""
+    state.weight_version += 1
+    stats = state.sync.sync(state.weight_version)
+    out = {"sync/seconds": stats.total_s, "sync/transfer_s": stats.transfer_s,
+           "sync/apply_s": stats.apply_s}
+    if state.cfg.reshard.verify:
+        from mcore_rl.reshard.verify import probe_prompts, verify_engine_logprobs
+
+        report = verify_engine_logprobs(
+            state.actor, state.rollout, probe_prompts(state.vocab_size, state.cfg.reshard.verify_prompts),
+            temperature=state.cfg.rollout.temperature, tolerance=state.cfg.reshard.verify_tolerance,
+            max_new_tokens=state.cfg.reshard.verify_new_tokens)
+        out["sync/verify_max_abs_diff"] = report.max_abs_diff
+    return out

@@ -1,0 +1,148 @@
+"""The RL loop: generate -> score -> log-probs -> values -> advantages -> update -> sync.
+
+Synchronous and colocated: the rollout engine and the trainer take turns on the same
+devices; every phase is its own function in ``mcore_rl.rl.phases`` (``(state, batch) ->
+batch``), so a later schedule can overlap them. Simplifications, on purpose: one rollout
+batch per step (no replay buffer); the reference model is frozen at the initial weights;
+KL is estimated per token from policy samples (k1/k3).
+"""
+from __future__ import annotations
+
+import time
+
+from mcore_rl.config import RLConfig
+from mcore_rl.parallel import ParallelContext
+from mcore_rl.rl import phases
+from mcore_rl.rl.setup import RunState, build_run
+from mcore_rl.rl.step_metrics import rollout_metrics, validation_score
+
+
+def rl_step(state: RunState) -> dict[str, float]:
+    cfg, timer = state.cfg, PhaseTimer()
+    with timer("generate"):
+        batch = phases.generate(state, state.prompts.take(cfg.data.prompts_per_step))
+    with timer("score"):
+        batch = phases.score(state, batch)
+    with timer("logprobs"):
+        batch = phases.old_logprobs(state, batch)
+        batch = phases.reference_logprobs(state, batch)
+    with timer("values"):
+        batch = phases.values(state, batch)
+        batch = phases.advantages(state, batch)
+    with timer("update"):
+        metrics = phases.update_actor(state, batch)
+        metrics |= phases.update_critic(state, batch)
+    with timer("sync"):
+        metrics |= phases.sync_weights(state)
+    state.kl.update(metrics.get("actor/kl_loss", 0.0), len(batch))
+    state.last_batch = batch
+    return metrics | rollout_metrics(state, batch) | timer.metrics(batch)
+
+
+def train(cfg: RLConfig, ctx: ParallelContext, stop=None) -> RunState:
+    """Run ``train.steps`` RL steps. ``stop`` (`mcore_rl.launch.stop_signal.StopSignal`):
+    when every rank agrees to stop, save a checkpoint and raise `StopRequested`."""
+    state = build_run(cfg, ctx)
+    resume_or_warm_start(state)
+    while state.step < cfg.train.steps:
+        state.step += 1
+        metrics = rl_step(state)
+        if cfg.train.val_every and (state.step % cfg.train.val_every == 0 or state.step == cfg.train.steps):
+            metrics["val/score"] = validation_score(state)
+        state.log.log(state.step, metrics, console=state.step % cfg.logging.log_every == 0)
+        if cfg.logging.samples_every and state.step % cfg.logging.samples_every == 0:
+            state.log.samples(state.step, sample_rows(state.last_batch))
+        saved = None
+        if (cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0) \
+                or state.step == cfg.train.steps:
+            saved = save_checkpoint(state)
+        if stop is not None and state.step < cfg.train.steps and stop.should_stop(ctx):
+            from mcore_rl.launch.stop_signal import StopRequested
+
+            path = saved or save_checkpoint(state)
+            finish(state)
+            raise StopRequested(state.step, path)
+    finish(state)
+    return state
+
+
+def resume_or_warm_start(state: RunState) -> None:
+    """``checkpoint.resume``: continue from the latest complete checkpoint (and re-sync the
+    engine from it) or start fresh (warm start, then the initial validation score)."""
+    cfg = state.cfg
+    path = state.checkpoints.resume_path(cfg.checkpoint.resume)
+    if path is not None:
+        run = state.checkpoints.load(path, state.trained_engines())
+        state.step, state.prompts.position = run["step"], run["data_position"]
+        state.kl.load_state_dict(run["kl"])
+        state.weight_version = run["weight_version"] - 1
+        phases.sync_weights(state)  # the engine gets the checkpoint's weights
+        state.log.truncate_after(state.step)
+        if state.is_controller:
+            print(f"mcore-rl: resumed from {path} at step {state.step}", flush=True)
+        return
+    state.log.truncate_after(-1)  # a fresh run: logs of an earlier one in the same dir go
+    if cfg.train.warm_start_steps:
+        from mcore_rl.rl.warm_start import warm_start
+
+        losses = warm_start(state)
+        phases.sync_weights(state)
+        if state.is_controller:
+            print(f"mcore-rl: warm start {len(losses)} steps, loss {losses[0]:.3f} -> "
+                  f"{losses[-1]:.3f}", flush=True)
+    if cfg.train.val_every:
+        state.log.log(0, {"val/score": validation_score(state)}, console=True)
+
+
+def save_checkpoint(state: RunState):
+    return state.checkpoints.save(state.step, state.trained_engines(), {
+        "data_position": state.prompts.position, "kl": state.kl.state_dict(),
+        "weight_version": state.weight_version})
+
+
+def sample_rows(batch, limit: int = 8) -> list[dict]:
+    return [{"prompt": m["prompt"], "response": r, "reward": float(s)}
+            for m, r, s in zip(batch.meta["prompt_meta"][:limit], batch.meta["response_text"][:limit],
+                               batch["scores"][:limit].tolist())]
+
+
+def finish(state: RunState) -> None:
+    """Summary line, reward-curve PNG, engines closed."""
+    from mcore_rl.metrics_log import plot_reward_curve
+
+    if state.is_controller:
+        history = state.log.history()
+        vals = [h["val/score"] for h in history if "val/score" in h]
+        rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
+        plot = plot_reward_curve(history, state.log.dir / "reward_curve.png")
+        state.log.close()
+        if vals and rewards:
+            print(f"mcore-rl: {state.step} steps; validation score {vals[0]:.2f} -> {vals[-1]:.2f}; "
+                  f"train reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; metrics "
+                  f"{state.log.dir / 'metrics.jsonl'}; plot {plot}", flush=True)
+        state.rollout.close()
+
+
+class PhaseTimer:
+    """Wall time per phase, reported as ``time/<phase>`` and tokens/s of the step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Span:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Span()
+
+    def metrics(self, batch) -> dict[str, float]:
+        total = sum(self.seconds.values())
+        tokens = float(batch["attention_mask"].sum())
+        return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": total,
+                "perf/tokens_per_s": tokens / total if total else 0.0}
