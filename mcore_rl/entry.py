@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from mcore_rl.config import RLConfig
+from mcore_rl.errors import UsageError
 from mcore_rl.parallel import Layout, destroy_parallel, init_process_group, initialize_parallel
 
 
@@ -38,6 +40,12 @@ def rank_main(cfg: RLConfig) -> None:
             destroy_parallel(keep_process_group=False)
             return
         losses = run_smoke(cfg, ctx, steps=cfg.train.steps, stop=stop)
+    except UsageError as err:
+        # Bad input found by a rank (e.g. a reward function that raises): one line, exit 2.
+        # Checkpoints already written stay complete (the `latest` pointer only moves after one).
+        where = f" (rank {ctx.rank})" if ctx.rank else ""
+        print(f"mcore-rl train: error{where}: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     except StopRequested as req:
         stop.acknowledge(ctx, req.step)
         if ctx.rank == 0:

@@ -20,6 +20,10 @@ def run(args) -> int:
                          "drop --nproc under torchrun/SLURM")
     world = launched or args.nproc or (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
     validate_config(cfg, world_size=world)
+    if cfg.train.job == "rl":
+        from mcore_rl.rl.setup import check_job
+
+        check_job(cfg)
     from mcore_rl.entry import rank_main, rank_main_from_dict
 
     if launched is not None:

@@ -56,4 +56,11 @@ def run_ranks(entry: Callable[..., Any], args: tuple, nproc: int, threads_per_ra
     import torch.multiprocessing as tmp
 
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # inherited before torch loads
-    tmp.start_processes(_rank_main, args=(entry, args, env), nprocs=nproc, start_method="spawn")
+    try:
+        tmp.start_processes(_rank_main, args=(entry, args, env), nprocs=nproc, start_method="spawn")
+    except tmp.ProcessExitedException as err:
+        # A rank that exits on purpose with a status (e.g. stopped on request after saving a
+        # checkpoint) ends the run with that status, not a traceback.
+        if err.exit_code and err.exit_code > 0:
+            raise SystemExit(err.exit_code) from None
+        raise

@@ -77,6 +77,18 @@ def prepare_model_dir(cfg: RLConfig, ctx: ParallelContext) -> Path:
     return out
 
 
+def check_job(cfg: RLConfig) -> None:
+    """What can be checked before any rank starts: registered names, the reward function,
+    the prompt data (fields present). Raises a one-line `UsageError`."""
+    from mcore_rl.algos import POLICY_LOSSES
+
+    ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage_estimator)
+    POLICY_LOSSES.get(cfg.algorithm.policy_loss)
+    REWARDS.get(cfg.reward.name if cfg.reward.name != "builtin" else "exact")
+    load_prompt_records(cfg.data, "train")
+    load_prompt_records(cfg.data, "val")
+
+
 def build_run(cfg: RLConfig, ctx: ParallelContext) -> RunState:
     from mcore_rl.engines import build_rollout_engine
     from mcore_rl.models import build_model
