@@ -1,0 +1,110 @@
+"""Vocabulary-parallel (TP=2, gloo) results equal the unsharded (TP=1) computation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.helpers import TOL
+from tests.world import shared_world
+
+# (padded vocabulary, vocab_size): padding on the last rank only; and a last rank that holds
+# nothing but padding (its shard contributes exp(-inf) = 0 to every sum)
+VOCABS = [(64, 64), (64, 57), (64, 30)]
+
+
+@pytest.fixture(scope="module")
+def world():
+    return shared_world(2)
+
+
+def _check_token_logprobs(rank: int, world_size: int, seed: int):
+    import torch
+    import torch.distributed as dist
+
+    from mcore_rl.kernels import token_logprobs
+    from mcore_rl.kernels.token_logprobs import token_logprobs_reference
+    from tests.kernels.helpers import make_labels, make_logits, output_weights
+
+    errors = {}
+    for padded, vocab_size in VOCABS:
+        for dtype in (torch.float32, torch.bfloat16):
+            lead = (5, 2)  # Megatron's [seq, batch, V / tp]
+            full = make_logits(lead, padded, dtype, seed=seed + padded)
+            labels = make_labels(lead, vocab_size, seed=seed)
+            w = output_weights(2, lead, seed=seed)
+            local = padded // world_size
+            mine = full[..., rank * local:(rank + 1) * local].clone().requires_grad_(True)
+            lp, ent = token_logprobs(mine, labels, vocab_size=vocab_size, tp_group=dist.group.WORLD,
+                                     temperature=0.8, return_entropy=True, impl="cpu")
+            ((lp * w[0]).sum() + (ent * w[1]).sum()).backward()
+            ref = full.clone().requires_grad_(True)
+            rlp, rent = token_logprobs_reference(ref, labels, vocab_size=vocab_size, temperature=0.8,
+                                                 return_entropy=True)
+            ((rlp * w[0]).sum() + (rent * w[1]).sum()).backward()
+            errors[(padded, vocab_size, dtype)] = {
+                "logp": (lp.detach(), rlp.detach()),
+                "entropy": (ent.detach(), rent.detach()),
+                "grad": (mine.grad, ref.grad[..., rank * local:(rank + 1) * local]),
+            }
+    return errors
+
+
+def _check_linear(rank: int, world_size: int, seed: int):
+    import torch
+    import torch.distributed as dist
+
+    from mcore_rl.kernels import linear_token_logprobs
+    from mcore_rl.kernels.token_logprobs import token_logprobs_reference
+
+    g = torch.Generator().manual_seed(seed)
+    padded, vocab_size, lead, hidden = 48, 45, (4, 3), 16
+    h = torch.randn(*lead, hidden, generator=g)
+    weight = torch.randn(padded, hidden, generator=g) / 2
+    labels = torch.randint(0, vocab_size, lead, generator=g)
+    w = [torch.randn(*lead, generator=g), torch.randn(*lead, generator=g)]
+    local = padded // world_size
+    my_h = h.clone().requires_grad_(True)
+    my_w = weight[rank * local:(rank + 1) * local].clone().requires_grad_(True)
+    lp, ent = linear_token_logprobs(my_h, my_w, labels, vocab_size=vocab_size, tp_group=dist.group.WORLD,
+                                    chunk_size=5, return_entropy=True, impl="cpu")
+    ((lp * w[0]).sum() + (ent * w[1]).sum()).backward()
+    # without the built-in all-reduce each rank keeps its partial hidden gradient
+    part_h = h.clone().requires_grad_(True)
+    lp2 = linear_token_logprobs(part_h, my_w.detach(), labels, vocab_size=vocab_size, tp_group=dist.group.WORLD,
+                                chunk_size=5, impl="cpu", all_reduce_hidden_grad=False)
+    (lp2 * w[0]).sum().backward()
+    ref_h, ref_w = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    rlp, rent = token_logprobs_reference(ref_h @ ref_w.t(), labels, vocab_size=vocab_size, return_entropy=True)
+    ((rlp * w[0]).sum() + (rent * w[1]).sum()).backward()
+    ref_h_lp = h.clone().requires_grad_(True)
+    (token_logprobs_reference(ref_h_lp @ weight.t(), labels, vocab_size=vocab_size) * w[0]).sum().backward()
+    return {
+        "logp": (lp.detach(), rlp.detach()),
+        "entropy": (ent.detach(), rent.detach()),
+        "grad_hidden": (my_h.grad, ref_h.grad),
+        "grad_weight": (my_w.grad, ref_w.grad[rank * local:(rank + 1) * local]),
+        # partial hidden gradients: they must sum over the ranks to the full one
+        "partial_grad_hidden": (part_h.grad, ref_h_lp.grad),
+    }
+
+
+def test_token_logprobs_tp2_equals_tp1_with_padded_vocab_forward_and_backward(world):
+    for rank, cases in enumerate(world.run(_check_token_logprobs, 0)):
+        for (padded, vocab_size, dtype), outputs in cases.items():
+            for name, (ours, ref) in outputs.items():
+                rtol, atol = TOL[dtype]["grad" if name == "grad" else "logp"]
+                torch.testing.assert_close(
+                    ours.float(), ref.float(), rtol=rtol, atol=atol,
+                    msg=lambda m: f"rank {rank}, V={padded}, vocab_size={vocab_size}, {dtype}, {name}: {m}")
+
+
+def test_linear_token_logprobs_tp2_equals_tp1_forward_and_backward(world):
+    # fp32; the all-reduced hidden gradient sums two partial GEMMs: summation-order rounding
+    results = world.run(_check_linear, 0)
+    for rank, outputs in enumerate(results):
+        for name, (ours, ref) in outputs.items():
+            if name != "partial_grad_hidden":
+                torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank}, {name}: {m}")
+    partial_sum = sum(out["partial_grad_hidden"][0] for out in results)
+    torch.testing.assert_close(partial_sum, results[0]["partial_grad_hidden"][1], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(results[0]["partial_grad_hidden"][0], partial_sum), "not reduced when asked not to"
