@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import os
+import threading
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -30,6 +31,7 @@ ERROR_GRACE_S = 15.0  # how long the other ranks may still answer after one fail
 def _worker(rank: int, world_size: int, port: int, conn, env: dict[str, str],
             threads: int) -> None:
     os.environ.update(env)
+    _exit_with_parent()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -54,6 +56,20 @@ def _worker(rank: int, world_size: int, port: int, conn, env: dict[str, str],
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this rank when the controlling process is gone (even killed with SIGKILL, or
+    while this rank is blocked in a collective): ranks are not daemons, so nothing else
+    would stop them."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 class RankFailure(AssertionError):

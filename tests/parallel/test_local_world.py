@@ -32,3 +32,53 @@ def test_failing_rank_reports_its_traceback_and_the_world_restarts():
             world.run(_rank1_raises_while_rank0_waits_in_a_collective, timeout_s=120)
         assert time.monotonic() - t0 < 60, "a hung peer must not cost the full timeout"
         assert world.run(_sum_of_ranks) == [1.0, 1.0]  # a fresh world for the next test
+
+
+def _pid(rank, world_size):
+    import os
+
+    return os.getpid()
+
+
+def _block(rank, world_size):
+    """Rank 0 waits in a collective that rank 1 (asleep) never joins."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
+
+
+CONTROLLER = """
+from mcore_rl.parallel.local_world import SharedWorld
+from tests.parallel.test_local_world import _block, _pid
+world = SharedWorld(2)
+print(" ".join(map(str, world.run(_pid))), flush=True)
+world.run(_block)
+"""
+
+
+def test_ranks_blocked_in_a_collective_exit_when_the_controlling_process_is_killed():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", CONTROLLER], stdout=subprocess.PIPE, text=True,
+                            cwd=repo)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    time.sleep(1)  # both ranks are now inside _block
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert not alive, f"ranks {alive} outlived their controller"
