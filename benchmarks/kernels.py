@@ -375,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             "quick": quick,
             # other processes competing for the CPU distort CPU timings: recorded for the reader
             "load_average_at_start": _load_average(),
+            # glibc malloc tuning changes CPU timings a lot (first-touch page faults): recorded
+            "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
             "dtype": args.dtype,
             "shapes": {
                 "gae": [list(s) for s in gae_shapes],

@@ -12,7 +12,7 @@ from mcore_rl.kernels.token_logprobs.vocab_parallel import VocabShard, local_lab
 
 #: fp32 elements per row chunk: large enough to amortise per-op overhead, small enough that
 #: the workspace (two of them with entropy) stays in the CPU's last-level cache.
-_CHUNK_ELEMS = 1 << 20
+_CHUNK_ELEMS = 1 << 21
 
 
 def _chunk_rows(n_cols: int, n_rows: int) -> int:

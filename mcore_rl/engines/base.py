@@ -1,0 +1,195 @@
+"""The rollout-engine interface: generate with per-token log-probs, take new weights, sleep.
+
+Log-prob convention (shared with the trainer and the kernels): the log-prob of a sampled
+token is ``log_softmax(logits[..., :vocab] / temperature)`` in fp32, *untruncated* by top-k /
+top-p. An engine reports exactly that only when top_p = 1 and top_k = -1 (the defaults);
+`SamplingConfig` warns when they are changed, because truncated sampling then differs from
+the distribution the trainer's log-probs describe.
+
+Weight updates arrive as a session of buckets (`mcore_rl.reshard`): ``begin_update`` ->
+``load_bucket`` per bucket -> ``finish_update`` (or ``abort_update``). Every sample records
+the weight version it was generated with. After a failed sync the engine holds a mix of two
+versions: it says so (`weight_version` is None, ``generate`` raises) until a sync succeeds.
+"""
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from mcore_rl.reshard.bucket import BucketReader, WeightSyncError
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample responses (one request per prompt, ``n`` samples each)."""
+
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy. Log-probs are of logits / temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling; < 1 truncates the distribution (warned)."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables; other values truncate the distribution (warned)."""
+    max_new_tokens: int = 64
+    """Longest response."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a response (kept as its last token, finish reason "stop")."""
+    seed: int | None = None
+    """Base seed: request i is sampled with seed + i (reproducible per prompt)."""
+
+    def __post_init__(self) -> None:
+        if self.top_p != 1.0 or self.top_k != -1:
+            warnings.warn(f"top_p={self.top_p}, top_k={self.top_k}: engine log-probs stay "
+                          "untruncated (log_softmax(logits / T)) but samples come from the "
+                          "truncated distribution, which biases the policy gradient", stacklevel=3)
+
+    def request_seed(self, i: int) -> int | None:
+        return None if self.seed is None else self.seed + i
+
+
+@dataclass
+class RolloutSample:
+    """One generated response."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    """log p(token_ids[t] | prompt, token_ids[:t]) under the convention above."""
+    finish_reason: str
+    """"stop" (a stop token ended it) or "length" (max_new_tokens reached)."""
+    weight_version: int | None
+
+
+@dataclass
+class Rollouts:
+    """The samples of one ``generate`` call, prompt-major (prompt 0's n samples first)."""
+
+    samples: list[RolloutSample] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __iter__(self):
+        return iter(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
+
+    def to_batch(self, pad_id: int = 0):
+        """A `Batch`: prompt + response tokens, masks, and ``rollout_logprobs`` [B, T]
+        aligned to the token they describe (0 on prompt and padding); metadata per sample."""
+        from mcore_rl.data.batch import Batch
+
+        seqs = [s.prompt_token_ids + s.token_ids for s in self.samples]
+        prompt_lens = [len(s.prompt_token_ids) for s in self.samples]
+        batch = Batch.from_sequences(
+            seqs, prompt_lens, pad_id=pad_id,
+            finish_reason=[s.finish_reason for s in self.samples],
+            weight_version=[s.weight_version for s in self.samples])
+        logprobs = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        group = torch.tensor([s.prompt_index for s in self.samples], dtype=torch.long)
+        for i, (s, p) in enumerate(zip(self.samples, prompt_lens)):
+            logprobs[i, p:p + len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
+        return batch.with_tensors(rollout_logprobs=logprobs, group_id=group)
+
+
+class RolloutEngine(ABC):
+    """An inference engine holding one copy of the policy (see module doc)."""
+
+    name: str = "base"
+    supports_sleep: bool = False
+    """Whether ``sleep`` frees memory (KV cache, weights) on this engine and device."""
+
+    def __init__(self) -> None:
+        self.weight_version: int | None = 0
+        self._torn: str | None = None
+        self._asleep = False
+        self._reader = BucketReader()  # the bucket file, for engines that read it in-process
+
+    # ----- generation -----------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seeds: Sequence[int] | None = None) -> Rollouts:
+        """``sampling.n`` responses per prompt; ``seeds`` (one per prompt) override the
+        seeds derived from ``sampling.seed``."""
+        if self._torn:
+            raise WeightSyncError(self._torn)
+        if self._asleep:
+            raise RuntimeError(f"the {self.name} engine is asleep: call wake() before generate()")
+        prompts = [list(map(int, p)) for p in prompt_token_ids]
+        if seeds is None:
+            seeds = [sampling.request_seed(i) for i in range(len(prompts))]
+        return self._generate(prompts, sampling, list(seeds))
+
+    @abstractmethod
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                  seeds: list[int | None]) -> Rollouts: ...
+
+    # ----- weights ----------------------------------------------------------------------
+    @abstractmethod
+    def begin_update(self, path: str, nbytes: int, version: int) -> None:
+        """Start a weight-update session reading buckets from the file ``path``."""
+
+    @abstractmethod
+    def load_bucket(self, manifest: dict) -> float:
+        """Check one bucket's checksums, then load it; seconds spent."""
+
+    def finish_update(self, version: int) -> None:
+        """End the session: the engine now serves ``version`` (prefix cache reset)."""
+        self._finish_session()
+        self.reset_prefix_cache()
+        self.weight_version, self._torn = version, None
+
+    def abort_update(self, reason: str) -> None:
+        """End a failed session; until the next successful one, refuse to generate."""
+        try:
+            self._finish_session()
+            self.reset_prefix_cache()
+        finally:
+            self.weight_version, self._torn = None, reason
+
+    @abstractmethod
+    def _finish_session(self) -> None: ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt prefixes (their KV entries came from older weights)."""
+
+    def release_update_buffer(self) -> None:
+        """Unmap the bucket file, which engines keep mapped from one sync to the next."""
+        self._reader.close()
+
+    def load_weights_from_dir(self, hf_dir: str, version: int) -> None:
+        """Reload every weight from an HF checkpoint directory (the slow, naive path)."""
+        raise NotImplementedError(f"the {self.name} engine cannot reload from a directory")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       bucket_mb: float = 64.0, shm_dir: str = "/dev/shm") -> None:
+        """Load HF-named tensors (from this process) through the same bucket session."""
+        from mcore_rl.engines.local_update import update_from_tensors
+
+        update_from_tensors(self, named_tensors, version, int(bucket_mb * 2**20), shm_dir)
+
+    @property
+    def consistent(self) -> bool:
+        """False after a failed sync left a mix of weight versions."""
+        return self._torn is None
+
+    # ----- memory -----------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the KV cache (and offload weights) where supported; generate() is refused
+        until ``wake``."""
+        self._asleep = True
+
+    def wake(self) -> None:
+        self._asleep = False
+
+    def close(self) -> None:
+        """Stop the engine's processes."""

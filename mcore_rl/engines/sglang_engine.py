@@ -1,0 +1,101 @@
+"""`SGLangEngine`: SGLang's offline ``Engine`` behind `RolloutEngine` (GPU only).
+
+Weights: one SGLang weight-update session per sync (``begin_weight_update`` ...
+``end_weight_update``), fed bucket by bucket with ``update_weights_from_tensor``: the
+tensors are HF-named views of the shared-memory bucket (checked first), and SGLang's own
+``load_weights`` fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` per TP
+shard, exactly as `mcore_rl.engines.param_plan` describes (checked in CI against SGLang's
+model code, ``tests/engines/data/sglang_manifest.json``). The radix (prefix) cache is
+flushed once at the end, not per bucket.
+
+Log-probs: SGLang's default sampler returns log(softmax(logits / T)) of the sampled token,
+computed before top-k/top-p, which is mcore-rl's convention (``SGLANG_RETURN_ORIGINAL_LOGPROB``
+must stay unset: it would drop the temperature). Samples of one prompt are separate requests
+with seeds derived from the request seed, so n samples never share one random stream.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mcore_rl.engines import sglang_shim
+from mcore_rl.engines.base import RolloutEngine, Rollouts, RolloutSample, SamplingConfig
+from mcore_rl.reshard.bucket import check_manifest, read_tensors
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SAMPLE_SEED_STRIDE = 1_000_003
+
+
+class SGLangEngine(RolloutEngine):
+    """One SGLang engine with ``tp`` ranks for the HF model in ``model_dir``."""
+
+    name = "sglang"
+    supports_sleep = True
+
+    def __init__(self, model_dir: str | Path, *, tp: int = 1, dtype: str = "fp32", seed: int = 0,
+                 max_model_len: int = 1024, gpu_memory_utilization: float = 0.5,
+                 load_format: str = "auto", **_placement):
+        super().__init__()
+        sglang = sglang_shim.require()
+        self.engine = sglang.Engine(
+            model_path=str(model_dir), tp_size=tp, dtype=DTYPES[dtype], random_seed=seed,
+            context_length=max_model_len, mem_fraction_static=gpu_memory_utilization,
+            skip_tokenizer_init=True, load_format=load_format, enable_memory_saver=True)
+        self._buffer = None
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                  seeds: list[int | None]) -> Rollouts:
+        inputs, params = [], []
+        for prompt, seed in zip(prompts, seeds):
+            for j in range(sampling.n):
+                inputs.append(prompt)
+                params.append({
+                    "temperature": sampling.temperature, "top_p": sampling.top_p,
+                    "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens,
+                    "stop_token_ids": list(sampling.stop_token_ids) or None,
+                    "sampling_seed": None if seed is None else seed + j * SAMPLE_SEED_STRIDE})
+        outputs = self.engine.generate(input_ids=inputs, sampling_params=params,
+                                       return_logprob=True)
+        rollouts = Rollouts()
+        for k, out in enumerate(outputs):
+            i, j = divmod(k, sampling.n)
+            meta = out["meta_info"]
+            logprobs = [lp for lp, _tok, *_ in meta["output_token_logprobs"]]
+            reason = "stop" if (meta.get("finish_reason") or {}).get("type") == "stop" else "length"
+            rollouts.samples.append(RolloutSample(i, j, prompts[i], list(out["output_ids"]),
+                                                  logprobs, reason, self.weight_version))
+        return rollouts
+
+    def begin_update(self, path: str, nbytes: int, version: int) -> None:
+        self._buffer = self._reader.open(path, nbytes)
+        self.engine.begin_weight_update()
+
+    def load_bucket(self, manifest: dict) -> float:
+        import time
+
+        start = time.perf_counter()
+        check_manifest(self._buffer, manifest)
+        self.engine.update_weights_from_tensor(read_tensors(self._buffer, manifest),
+                                               flush_cache=False)
+        return time.perf_counter() - start
+
+    def _finish_session(self) -> None:
+        self._buffer = None
+        self.engine.end_weight_update()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.flush_cache()
+
+    def load_weights_from_dir(self, hf_dir: str, version: int) -> None:
+        self.engine.update_weights_from_disk(str(hf_dir))
+        self.weight_version, self._torn = version, None
+
+    def sleep(self) -> None:
+        self.engine.release_memory_occupation()
+        super().sleep()
+
+    def wake(self) -> None:
+        self.engine.resume_memory_occupation()
+        super().wake()
+
+    def close(self) -> None:
+        self.engine.shutdown()

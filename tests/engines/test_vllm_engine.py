@@ -1,0 +1,153 @@
+"""`VLLMEngine` on CPU: sampling semantics, the log-prob convention, weight updates, parameters.
+
+One engine for the module: tiny Qwen2 (QKV bias, tied embeddings), fp32, engine TP1. The
+oracle is HF transformers on the same weights (logits, greedy tokens).
+"""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mcore_rl.engines import SamplingConfig, WeightSyncError
+from mcore_rl.engines.param_plan import engine_params
+from mcore_rl.models.hf_config import load_hf_spec
+from tests.models.tiny_hf import load_hf, save_tiny_hf_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_engine")
+    return {seed: str(save_tiny_hf_model("qwen2-tied", root / f"seed{seed}", seed=seed))
+            for seed in (0, 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def engine(dirs):
+    from mcore_rl.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(dirs[0], tp=1, max_model_len=128)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def original_weights(engine, dirs):
+    """Tests that change the engine's weights put the original ones back."""
+    yield
+    engine.load_weights_from_dir(dirs[0], version=0)
+
+
+def hf_greedy(hf_dir, prompts=PROMPTS, new_tokens=6):
+    model = load_hf(hf_dir)
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def test_n_samples_per_prompt_are_reproducible_per_seed_and_vary_across_seeds(engine):
+    sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=8, seed=10)
+    first = engine.generate(PROMPTS, sampling)
+    assert [(s.prompt_index, s.sample_index) for s in first] == [(i, j) for i in (0, 1) for j in range(3)]
+    assert all(len(s.token_ids) == len(s.logprobs) == 8 and s.finish_reason == "length" for s in first)
+    again = engine.generate(PROMPTS, sampling)
+    assert [s.token_ids for s in again] == [s.token_ids for s in first]
+    other = engine.generate(PROMPTS, SamplingConfig(n=3, temperature=1.0, max_new_tokens=8, seed=11))
+    assert [s.token_ids for s in other] != [s.token_ids for s in first]
+    assert len({tuple(s.token_ids) for s in first[:3]}) > 1, "n samples of one prompt differ"
+
+
+def test_logprobs_are_log_softmax_of_logits_over_temperature_untruncated(engine, dirs):
+    rollouts = engine.generate(PROMPTS, SamplingConfig(n=2, temperature=0.7, max_new_tokens=8, seed=3))
+    model = load_hf(dirs[0])
+    for s in rollouts:
+        ids = torch.tensor([s.prompt_token_ids + s.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(s.prompt_token_ids) - 1:-1]
+        expected = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-4), (s.logprobs, expected)
+
+
+def test_rollout_batch_aligns_engine_logprobs_to_the_tokens_they_describe(engine):
+    rollouts = engine.generate(PROMPTS, SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=1))
+    batch = rollouts.to_batch()
+    s = rollouts.samples[3]  # prompt 1 (3 tokens), sample 1
+    assert batch["input_ids"][3, :7].tolist() == s.prompt_token_ids + s.token_ids
+    assert batch["response_mask"][3].tolist()[:8] == [0, 0, 0, 1, 1, 1, 1, 0]
+    assert torch.allclose(batch["rollout_logprobs"][3, 3:7], torch.tensor(s.logprobs))
+    assert batch.meta["weight_version"] == [0] * 4 and batch["group_id"].tolist() == [0, 0, 1, 1]
+
+
+def test_a_stop_token_ends_the_response_with_it_and_reason_stop(engine):
+    greedy = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_new_tokens=8)).samples[0]
+    stop = greedy.token_ids[2]
+    first = greedy.token_ids.index(stop)  # the stop token may already occur earlier
+    stopped = engine.generate(PROMPTS[:1], SamplingConfig(
+        temperature=0, max_new_tokens=8, stop_token_ids=(stop,))).samples[0]
+    assert stopped.token_ids == greedy.token_ids[:first + 1]
+    assert stopped.finish_reason == "stop" and greedy.finish_reason == "length"
+
+
+def test_changing_top_p_or_top_k_warns_that_the_distribution_is_truncated():
+    with pytest.warns(UserWarning, match="truncated"):
+        SamplingConfig(top_p=0.9)
+    with pytest.warns(UserWarning, match="truncated"):
+        SamplingConfig(top_k=20)
+
+
+def test_update_weights_in_buckets_then_greedy_equals_hf_of_those_weights(engine, dirs, original_weights):
+    assert engine.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6)).samples[0].token_ids \
+        == hf_greedy(dirs[0])[0]
+    tensors = load_file(f"{dirs[1]}/model.safetensors")
+    engine.update_weights(tensors.items(), version=5, bucket_mb=0.05)  # many buckets
+    after = engine.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6))
+    assert [s.token_ids for s in after] == hf_greedy(dirs[1])
+    assert {s.weight_version for s in after} == {5}
+
+
+def test_reloading_a_tied_model_from_a_directory_refreshes_the_output_head(engine, dirs, original_weights):
+    # vLLM's own reload leaves the CPU-repacked copy of a tied head stale; ours refreshes it
+    engine.load_weights_from_dir(dirs[2], version=9)
+    after = engine.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6))
+    assert [s.token_ids for s in after] == hf_greedy(dirs[2])
+
+
+def test_engine_parameters_are_those_of_the_engine_parameter_plan(engine, dirs):
+    (shapes,) = engine.param_shapes()
+    arch = load_hf_spec(dirs[0]).arch
+    planned = {p.name: list(p.shape) for p in engine_params(arch, tp=1)}
+    assert shapes == planned
+
+
+def test_a_sleeping_engine_refuses_to_generate_until_woken(engine):
+    assert engine.supports_sleep is False  # vLLM's CPU backend has no sleep mode
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, SamplingConfig(max_new_tokens=2))
+    engine.wake()
+    assert len(engine.generate(PROMPTS, SamplingConfig(max_new_tokens=2))) == 2
+
+
+def test_a_bucket_with_a_wrong_checksum_is_refused_before_anything_is_loaded(engine, dirs, original_weights):
+    from mcore_rl.engines.local_update import update_from_tensors
+
+    class FlipChecksums:
+        """Forwards to the engine, with every checksum of the second bucket off by one."""
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def load_bucket(self, manifest):
+            if manifest["bucket"] == 1:
+                for *_, pieces in manifest["tensors"]:
+                    for piece in pieces:
+                        piece[3] = [value + 1 for value in piece[3]]
+            return engine.load_bucket(manifest)
+
+    tensors = load_file(f"{dirs[1]}/model.safetensors")
+    with pytest.raises(WeightSyncError, match="checksum"):
+        update_from_tensors(FlipChecksums(), tensors.items(), 6, 50_000)
+    assert not engine.consistent and engine.weight_version is None
+    with pytest.raises(WeightSyncError, match="version 6"):
+        engine.generate(PROMPTS, SamplingConfig(max_new_tokens=2))

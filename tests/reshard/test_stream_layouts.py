@@ -1,0 +1,173 @@
+"""The bucketed stream delivers exactly the HF tensors, from every trainer layout.
+
+Oracle: the HF checkpoint itself. Trainer ranks build the model from it at TP2, PP2,
+TP2 x PP2, PP2 x VPP2 and DP4 (4 ranks; DP fills the rest) and stream into an `HFEngine` that was started
+from *other* weights; afterwards every engine parameter must equal the checkpoint's tensor
+bit for bit (fp32 wire), or its bf16 rounding (bf16 wire). Plan properties (one writer per
+region, dp_rank 0 only, tied embeddings once, padding stripped, bounded buckets) are checked
+on the same holdings. No vLLM here: see test_vllm_sync.py.
+"""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mcore_rl.engines.param_plan import engine_params
+from mcore_rl.reshard.bucket import WeightSyncError
+from mcore_rl.reshard.plan import ReshardPlan
+from mcore_rl.reshard.trace import engine_param_sources
+from tests.reshard.tiny_models import save_model
+from tests.world import SharedWorld
+
+LAYOUTS = {"TP2": (2, 1, None), "PP2": (1, 2, None), "TP2xPP2": (2, 2, None),
+           "PP2xVPP2": (1, 2, 2), "DP4": (1, 1, None)}
+BUCKET_MB = 0.05  # ~50 KB: the tiny models span 15-20 buckets
+_ENGINE = {}  # per rank process: the HFEngine the controller streams into
+
+
+@pytest.fixture(scope="module")
+def world():
+    with SharedWorld(4) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    out = {}
+    for variant in ("llama-untied", "qwen2-tied"):
+        target = save_model(variant, root / variant, seed=0)
+        start = save_model(variant, root / f"{variant}-start", seed=5)
+        out[variant] = (str(target), str(start), load_file(target / "model.safetensors"))
+    return out
+
+
+def _stream(rank, world_size, layout, hf_dir, start_dir, wire, hook=None):
+    """Build at ``layout`` from ``hf_dir``, sync into a fresh HFEngine (rank 0); return the
+    engine's parameters, the holdings and the plan's shape, or the error raised."""
+    from mcore_rl.engines.hf_engine import HFEngine
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.stream import WeightSync, local_holdings
+
+    tp, pp, vpp = layout
+    ctx = initialize_parallel(tp=tp, pp=pp, vpp=vpp)
+    built = build_model(hf_dir, ctx)
+    engine = HFEngine(start_dir) if rank == 0 else None
+    try:
+        sync = WeightSync(built.chunks, built.spec.arch, engines=[engine] if engine else None,
+                          bucket_mb=BUCKET_MB, wire_dtype=getattr(torch, wire))
+        error = None
+        try:
+            sync.sync(version=3, bucket_hook=hook)
+        except WeightSyncError as err:
+            error = str(err)
+        sync.close()
+        result = {"error": error, "holdings": local_holdings(built.chunks, rank)[0],
+                  "plan_buckets": [b.nbytes for b in sync.plan.buckets]}
+        if rank == 0:
+            result["params"] = {k: v.clone() for k, v in engine.model.state_dict().items()}
+            result["version"], result["consistent"] = engine.weight_version, engine.consistent
+            try:
+                result["generated"] = engine.generate([[5, 6, 7]], _greedy()).samples[0].token_ids
+            except WeightSyncError as err:
+                result["generated"] = f"refused: {err}"
+        return result
+    finally:
+        destroy_parallel()
+
+
+def _greedy():
+    from mcore_rl.engines import SamplingConfig
+
+    return SamplingConfig(temperature=0, max_new_tokens=4)
+
+
+def _flip_one_byte_of_bucket_two(k, buffer, manifest):
+    if k == 2:
+        offset = manifest["tensors"][0][4][0][0]
+        buffer[offset] ^= 0x10
+
+
+@pytest.mark.parametrize("variant", ["llama-untied", "qwen2-tied"])
+def test_every_layout_streams_the_exact_hf_tensors_into_the_engine(world, models, variant):
+    hf_dir, start_dir, expected = models[variant]
+    for name, layout in LAYOUTS.items():
+        results = world.run(_stream, layout, hf_dir, start_dir, "float32")
+        assert all(r["error"] is None for r in results), (name, results[0]["error"])
+        params = results[0]["params"]
+        assert results[0]["version"] == 3
+        for hf_name, tensor in expected.items():
+            assert torch.equal(params[hf_name], tensor), f"{variant} {name}: {hf_name} differs"
+
+
+def test_a_bf16_wire_carries_the_bf16_rounding_of_every_tensor(world, models):
+    hf_dir, start_dir, expected = models["qwen2-tied"]
+    results = world.run(_stream, LAYOUTS["TP2xPP2"], hf_dir, start_dir, "bfloat16")
+    params = results[0]["params"]
+    for hf_name, tensor in expected.items():
+        assert torch.equal(params[hf_name], tensor.to(torch.bfloat16).float()), hf_name
+
+
+def _plan_for(results, hf_dir, bucket_bytes=int(BUCKET_MB * 2**20)):
+    from mcore_rl.models.hf_config import load_hf_spec
+
+    holdings = [h for r in results for h in r["holdings"]]
+    return ReshardPlan.build(holdings, load_hf_spec(hf_dir).arch, bucket_bytes)
+
+
+@pytest.mark.parametrize("variant", ["llama-untied", "qwen2-tied"])
+def test_plan_has_one_writer_per_region_on_dp_rank_0_and_sends_no_padding(world, models, variant):
+    hf_dir, start_dir, expected = models[variant]
+    results = world.run(_stream, LAYOUTS["PP2"], hf_dir, start_dir, "float32")  # PP2 x DP2
+    plan = _plan_for(results, hf_dir)
+    # Megatron orders ranks tp, dp, pp: at PP2 x DP2, dp_rank 0 is ranks 0 (stage 0) and 2.
+    assert plan.writers() == {0, 2}
+    names = [t.hf_name for b in plan.buckets for t in b.tensors]
+    assert sorted(names) == sorted(expected), "every HF tensor exactly once"
+    if variant.endswith("-tied"):
+        assert "lm_head.weight" not in names  # the last stage's copy is never sent
+    embed = next(t for b in plan.buckets for t in b.tensors if t.hf_name == "model.embed_tokens.weight")
+    assert embed.shape[0] == expected["model.embed_tokens.weight"].shape[0]  # 997/1003 rows, not 1024
+    from mcore_rl.reshard.plan import engine_module
+
+    for b in plan.buckets:  # over the bound only when one engine module alone is larger
+        assert b.nbytes <= plan.bucket_bytes or len({engine_module(t.hf_name) for t in b.tensors}) == 1
+    # q, k, v (and biases) of a layer share one bucket: the engine completes qkv_proj at once.
+    for b in plan.buckets:
+        for t in b.tensors:
+            if ".q_proj." in t.hf_name:
+                siblings = {t.hf_name.replace("q_proj", x) for x in ("k_proj", "v_proj")}
+                assert siblings <= {u.hf_name for u in b.tensors}
+
+
+def test_at_equal_tp_each_engine_rank_is_fed_by_its_own_trainer_tp_rank(world, models):
+    hf_dir, start_dir, _ = models["llama-untied"]
+    results = world.run(_stream, LAYOUTS["TP2xPP2"], hf_dir, start_dir, "float32")
+    plan = _plan_for(results, hf_dir)
+    arch = plan.arch
+    for engine_rank in (0, 1):
+        params = {p.name: p for p in engine_params(arch, tp=2, rank=engine_rank)}
+        qkv = engine_param_sources(plan, params["model.layers.1.self_attn.qkv_proj.weight"])
+        # layer 1 lives on stage 0 (ranks 0, 1); trainer tp_rank == engine rank
+        assert qkv == {(engine_rank, "decoder.layers.self_attention.linear_qkv.weight", 1)}
+        down = engine_param_sources(plan, params["model.layers.0.mlp.down_proj.weight"])
+        assert {r for r, _, _ in down} == {engine_rank}
+    # at engine TP1 one qkv_proj needs both trainer TP shards
+    whole = {p.name: p for p in engine_params(arch, tp=1)}["model.layers.1.self_attn.qkv_proj.weight"]
+    assert {r for r, _, _ in engine_param_sources(plan, whole)} == {0, 1}
+
+
+def test_a_corrupted_bucket_fails_the_sync_on_every_rank_and_the_engine_says_so(world, models):
+    hf_dir, start_dir, expected = models["llama-untied"]
+    results = world.run(_stream, LAYOUTS["TP2xPP2"], hf_dir, start_dir, "float32",
+                        _flip_one_byte_of_bucket_two)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1 and None not in errors, "every rank raises the same error"
+    message = errors.pop()
+    assert "bucket 3/" in message and "checksum" in message and "mix of weight versions" in message
+    assert results[0]["version"] is None and not results[0]["consistent"]
+    assert results[0]["generated"].startswith("refused: weight sync to version 3 failed")
+    # nothing of the corrupted bucket was loaded; buckets 1-2 were (the engine is mixed)
+    params = results[0]["params"]
+    assert torch.equal(params["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
+    assert not torch.equal(params["model.norm.weight"], expected["model.norm.weight"])
