@@ -46,6 +46,17 @@ def memory_comparison(ours: float, baseline: float, unit: str = "MiB") -> dict:
             "ratio": ours / baseline if baseline else None}
 
 
+def rounded(data, digits: int = 4):
+    """``data`` with every float rounded to ``digits`` significant digits (for reports)."""
+    if isinstance(data, float):
+        return float(f"{data:.{digits}g}")
+    if isinstance(data, dict):
+        return {k: rounded(v, digits) for k, v in data.items()}
+    if isinstance(data, list):
+        return [rounded(v, digits) for v in data]
+    return data
+
+
 def machine_info() -> dict:
     return {"torch": torch.__version__, "python": platform.python_version(),
             "cpu_count": os.cpu_count(), "cuda": torch.cuda.is_available(),

@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mcore_rl.benchmarks._common import memory_comparison, rounded, time_comparison, write_json
+
 # Runs in the child process; prints one JSON line.
 _CHILD = r"""
 import json, os, resource, sys, time
@@ -70,18 +72,13 @@ def _above_imports(run: dict) -> int:
 
 
 def _compare(ours: dict, baseline: dict) -> dict:
-    """Time and peak memory, ours against the baseline."""
-    return {
-        "seconds": {"ours": round(ours["seconds"], 3), "baseline": round(baseline["seconds"], 3),
-                    "unit": "s", "speedup": round(baseline["seconds"] / ours["seconds"], 2)},
-        "peak_rss": {"ours": round(ours["peak_rss_bytes"] / MIB, 1),
-                     "baseline": round(baseline["peak_rss_bytes"] / MIB, 1), "unit": "MiB",
-                     "ratio": round(ours["peak_rss_bytes"] / baseline["peak_rss_bytes"], 3)},
-        "peak_rss_above_imports": {
-            "ours": round(_above_imports(ours) / MIB, 1),
-            "baseline": round(_above_imports(baseline) / MIB, 1), "unit": "MiB",
-            "ratio": round(_above_imports(ours) / max(1, _above_imports(baseline)), 3)},
-    }
+    """Time and peak memory, ours against the baseline (4 significant digits)."""
+    return rounded({
+        "seconds": time_comparison(ours["seconds"], baseline["seconds"]),
+        "peak_rss": memory_comparison(ours["peak_rss_bytes"] / MIB, baseline["peak_rss_bytes"] / MIB),
+        "peak_rss_above_imports": memory_comparison(
+            _above_imports(ours) / MIB, max(1, _above_imports(baseline)) / MIB),
+    })
 
 
 def run(hf_dir: Path) -> dict:
@@ -116,7 +113,6 @@ def main(argv: list[str]) -> int:
 
         hf_dir = prepare_smollm2_hf_dir()
     report = run(hf_dir)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     print(json.dumps(report, indent=2))
     return 0

@@ -1,8 +1,8 @@
 """`mcore-rl bench reshard`: one full weight sync into a running vLLM engine vs the naive path.
 
-Per model (a tiny Llama and SmolLM2-135M; ``--quick``: the tiny one) and trainer layout (TP1
-and TP2, one process per rank; ``--quick``: TP1), vLLM at engine TP1, fp32 on both sides, in
-the same run:
+Per model (a tiny Llama and SmolLM2-135M; ``--quick``: the tiny one) and trainer layout (TP1,
+and PP2 with one process per rank; ``--quick``: TP1), vLLM at engine TP1, fp32 on both sides,
+in the same run (the two paths alternate, so both see the same machine load):
 
 - **ours**: `WeightSync.sync` (shared-memory buckets of ``--bucket-mb``, checksums, one
   engine update session), split into *transfer* (trainer ranks writing and checksumming
@@ -17,8 +17,9 @@ the same run:
 Times are medians over ``--repeats`` syncs after one warm-up. Peak extra memory, each path
 in a fresh set of processes (``--quick``: both in one), is the largest rise during the first
 sync (for ours: creating the `WeightSync`, which allocates the bucket file, and one sync) of
-(a) the trainer process's RSS: the *transport* (bucket file pages, or the naive path's
-serialised checkpoint); (b) the summed PSS of trainer and engine processes: the *whole sync*,
+(a) the *transport*: the bucket file plus the rise of the trainer ranks' anonymous memory
+(naive: the model gathered on rank 0 and its serialised bytes; the page cache of the written
+file is not counted); (b) the summed PSS of trainer and engine processes: the *whole sync*,
 including what vLLM itself allocates to process new weights (one layer at a time, in both
 paths). Targets: transfer >= 5x faster than disk write+read, whole sync >= 2x faster than
 naive, transport peak extra <= one bucket budget (``--bucket-mb``) + the largest tensor.
@@ -53,7 +54,7 @@ def _smaps_kib(pid: int) -> dict[str, int]:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
                 key, _, rest = line.partition(":")
-                if key in ("Rss", "Pss"):
+                if key in ("Pss", "Anonymous"):
                     out[key] = int(rest.split()[0])
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         pass
@@ -63,7 +64,8 @@ def _smaps_kib(pid: int) -> dict[str, int]:
 class PeakExtraMemory:
     """Largest rise, while active, of (a) the summed PSS of the trainer processes and this
     process's descendants (the engine's): the whole sync, shared pages counted once; (b) the
-    trainer processes' summed RSS: the transport, every bucket-file page touched counted."""
+    trainer processes' summed anonymous memory (heap: copies, gathered tensors, serialised
+    checkpoints; not the shared bucket file, whose size is known exactly)."""
 
     def __init__(self, trainer_pids: list[int] | None = None, interval_s: float = 0.002):
         import psutil
@@ -77,7 +79,7 @@ class PeakExtraMemory:
 
     def _sample(self) -> tuple[int, int]:
         maps = [_smaps_kib(p) for p in self.pids]
-        trainer = sum(m.get("Rss", 0) for m in maps[:len(self.trainer_pids)])
+        trainer = sum(m.get("Anonymous", 0) for m in maps[:len(self.trainer_pids)])
         return sum(m.get("Pss", 0) for m in maps), trainer
 
     def _run(self) -> None:
@@ -119,7 +121,7 @@ def _naive_sync(sync, hf_dir: str, engine, out: Path, version: int) -> dict | No
     from mcore_rl.reshard.gather import gather_hf_tensors
 
     t0 = time.perf_counter()
-    tensors = gather_hf_tensors(sync.plan, sync._views(), sync.rank)
+    tensors = gather_hf_tensors(sync.plan, sync.local_views(), sync.rank)
     if sync.rank != 0:
         return None
     out.mkdir(parents=True, exist_ok=True)
@@ -150,9 +152,9 @@ def _memory(rank: int, pids: list[int], run) -> dict | None:
     return box[0]
 
 
-def _measure(rank, world_size, hf_dir: str, bucket_mb: float, repeats: int, what: list[str],
-             scratch: str) -> dict:
-    """Trainer at TP ``world_size`` (rank 0 holds the engine), then measure ``what``:
+def _measure(rank, world_size, hf_dir: str, layout: tuple[int, int], bucket_mb: float,
+             repeats: int, what: list[str], scratch: str) -> dict:
+    """Trainer at ``layout`` (tp, pp; rank 0 holds the engine), then measure ``what``:
     time, mem_ours, mem_naive."""
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -162,7 +164,7 @@ def _measure(rank, world_size, hf_dir: str, bucket_mb: float, repeats: int, what
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
     from mcore_rl.reshard.stream import WeightSync
 
-    ctx = initialize_parallel(tp=world_size)
+    ctx = initialize_parallel(tp=layout[0], pp=layout[1])
     built = build_model(hf_dir, ctx)
     arch = built.spec.arch
     engine = VLLMEngine(hf_dir, tp=1, max_model_len=256) if rank == 0 else None
@@ -192,13 +194,14 @@ def _measure(rank, world_size, hf_dir: str, bucket_mb: float, repeats: int, what
                        "file_bytes": sync.plan.file_nbytes,
                        "largest_tensor_bytes": max(t.nbytes for b in sync.plan.buckets
                                                    for t in b.tensors)}
-        if "time" in what:
-            ours = [sync.sync(version=v) for v in range(repeats + 1)][1:]
-            naive = []
+        if "time" in what:  # alternating, so that both paths see the same machine load
+            ours, naive = [], []
             for v in range(repeats + 1):
+                ours.append(sync.sync(version=2 * v))
                 if rank == 0:
                     shutil.rmtree(disk, ignore_errors=True)
-                naive.append(_naive_sync(sync, hf_dir, engine, disk, version=v))
+                naive.append(_naive_sync(sync, hf_dir, engine, disk, version=2 * v + 1))
+            ours, naive = ours[1:], naive[1:]  # the first round warms both up
             if rank == 0:
                 reads = []
                 for _ in range(repeats):
@@ -207,7 +210,7 @@ def _measure(rank, world_size, hf_dir: str, bucket_mb: float, repeats: int, what
                     reads.append(time.perf_counter() - t0)
                 out["ours"] = {k: statistics.median(getattr(s, k) for s in ours)
                                for k in ("transfer_s", "apply_s", "total_s")}
-                out["naive"] = {k: statistics.median(n[k] for n in naive[1:]) for k in naive[0]}
+                out["naive"] = {k: statistics.median(n[k] for n in naive) for k in naive[0]}
                 out["naive"]["read_s"] = statistics.median(reads)
         sync.close()
     finally:
@@ -217,13 +220,17 @@ def _measure(rank, world_size, hf_dir: str, bucket_mb: float, repeats: int, what
     return out
 
 
-def _fresh(hf_dir: str, tp: int, bucket_mb: float, repeats: int, what: list[str],
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+def _fresh(hf_dir: str, layout: str, bucket_mb: float, repeats: int, what: list[str],
            threads: int) -> dict:
     from mcore_rl.parallel.local_world import SharedWorld
 
+    tp, pp = LAYOUTS[layout]
     with tempfile.TemporaryDirectory(prefix="bench_reshard_") as scratch, \
-            SharedWorld(tp, threads_per_rank=threads, timeout_s=1800) as world:
-        return world.run(_measure, hf_dir, bucket_mb, repeats, what, scratch)[0]
+            SharedWorld(tp * pp, threads_per_rank=threads, timeout_s=1800) as world:
+        return world.run(_measure, hf_dir, (tp, pp), bucket_mb, repeats, what, scratch)[0]
 
 
 # ----- placement: the engine in processes of its own vs inside the trainer process ---------
@@ -311,9 +318,11 @@ def _comparisons(name: str, r: dict, bucket_mb: float) -> dict:
     gb = plan["bytes"] / 1e9
     disk = naive["write_s"] + naive["read_s"]
     bound_mib = bucket_mb + plan["largest_tensor_bytes"] / 2**20
-    transport = memory_comparison(r["mem_ours"]["trainer_mib"], r["mem_naive"]["trainer_mib"], "MiB")
-    transport.update(measured="trainer process RSS (holds the bucket file)", bound_mib=bound_mib,
-                     within_bound=r["mem_ours"]["trainer_mib"] <= bound_mib)
+    ours_mib = r["mem_ours"]["trainer_mib"] + plan["file_bytes"] / 2**20
+    transport = memory_comparison(ours_mib, r["mem_naive"]["trainer_mib"], "MiB")
+    transport.update(measured="bucket file + rise of the trainer ranks' anonymous memory "
+                              "(naive: the gathered model and its serialised bytes)",
+                     bound_mib=bound_mib, within_bound=ours_mib <= bound_mib)
     whole = memory_comparison(r["mem_ours"]["whole_mib"], r["mem_naive"]["whole_mib"], "MiB")
     whole.update(measured="PSS of trainer + engine processes (includes the engine's own "
                           "layer processing, the same in both paths)")
@@ -344,30 +353,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed syncs per path (default 3)")
     parser.add_argument("--placement", action="store_true",
                         help="also time the engine in its own processes vs inside the trainer")
-    parser.add_argument("--trainer-tp", default=None,
-                        help="trainer TP sizes to run, comma separated (default 1,2; --quick 1)")
+    parser.add_argument("--layouts", default=None,
+                        help="trainer layouts, comma separated among tp1, tp2, pp2 (one rank "
+                             "per process; default tp1,pp2; --quick tp1)")
     parser.add_argument("--trainer-threads", type=int, default=1,
                         help="torch threads of the trainer process (the engine gets all cores)")
     args = parser.parse_args(argv)
     bucket_mb = args.bucket_mb or (1.0 if args.quick else 256.0)
     repeats = args.repeats or (1 if args.quick else 3)
     threads = args.trainer_threads
-    tps = [int(t) for t in (args.trainer_tp or ("1" if args.quick else "1,2")).split(",")]
+    layouts = (args.layouts or ("tp1" if args.quick else "tp1,pp2")).split(",")
     results, models = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench_reshard_models_") as root:
         dirs = model_dirs(args.quick, Path(root))
-        for (name, hf_dir), tp in itertools.product(dirs.items(), tps):
-            key = f"{name}_tp{tp}"
-            _log(f"{name}: trainer TP{tp} -> vLLM TP1, bucket budget {bucket_mb} MiB")
+        for (name, hf_dir), layout in itertools.product(dirs.items(), layouts):
+            key = f"{name}_{layout}"
+            _log(f"{name}: trainer {layout.upper()} -> vLLM TP1, bucket budget {bucket_mb} MiB")
             if args.quick:
-                r = _fresh(hf_dir, tp, bucket_mb, repeats, ["time", "mem_ours", "mem_naive"],
-                           threads)
+                r = _fresh(hf_dir, layout, bucket_mb, repeats,
+                           ["time", "mem_ours", "mem_naive"], threads)
             else:
-                r = _fresh(hf_dir, tp, bucket_mb, repeats, ["time"], threads)
+                r = _fresh(hf_dir, layout, bucket_mb, repeats, ["time"], threads)
                 _log(f"{key}: memory of our sync (fresh processes)")
-                r["mem_ours"] = _fresh(hf_dir, tp, bucket_mb, 0, ["mem_ours"], threads)["mem_ours"]
+                r["mem_ours"] = _fresh(hf_dir, layout, bucket_mb, 0, ["mem_ours"],
+                                       threads)["mem_ours"]
                 _log(f"{key}: memory of the naive sync (fresh processes)")
-                r["mem_naive"] = _fresh(hf_dir, tp, bucket_mb, 0, ["mem_naive"], threads)["mem_naive"]
+                r["mem_naive"] = _fresh(hf_dir, layout, bucket_mb, 0, ["mem_naive"],
+                                        threads)["mem_naive"]
             models[name] = r["plan"]
             results.update(_comparisons(key, r, bucket_mb))
             _log(f"{key}: ours {r['ours']}  naive {r['naive']}")
@@ -378,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             models["placement"] = {"model": name, **placement}
     meta = {"machine": machine_info(), "bucket_mb": bucket_mb, "repeats": repeats,
             "trainer_threads": threads, "checksum": "sum64",
-            "layout": "trainer TP1 / TP2 (one process per rank) -> vLLM engine TP1, fp32",
-            "trainer_tp": tps, "models": models,
+            "engine": "vLLM TP1, fp32 (trainer fp32)", "trainer_layouts": layouts,
+            "models": models,
             "memory": "one process for both paths" if args.quick else "fresh processes per path"}
     write_json(args.json, {"benchmark": "reshard", "metadata": meta, "comparisons": results})
     for key, c in results.items():

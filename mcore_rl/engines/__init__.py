@@ -1,9 +1,12 @@
 """Rollout engines behind one interface (`RolloutEngine`), registered by name in `ENGINES`.
 
     engine = build_rollout_engine(cfg.rollout, hf_dir, dtype="fp32", seed=cfg.train.seed)
-    rollouts = engine.generate(prompt_ids, sampling_from_config(cfg.rollout, stop_ids, seed))
+    rollouts = engine.generate(prompt_ids, sampling_from_config(cfg.rollout, stop_ids),
+                               seeds=per_prompt_seeds)      # controller (rank 0) only
+    batch = rollouts.to_batch(pad_id)     # + rollout_logprobs, finish_reason, weight_version
     ... train ...
     sync.sync(version)          # mcore_rl.reshard.WeightSync, on every trainer rank
+    engine.sleep() / engine.wake()        # colocated: around training (frees memory on GPU)
 
 Importing this package never imports vLLM or SGLang; choosing an engine that is not
 installed raises a one-line `UsageError` naming the package.

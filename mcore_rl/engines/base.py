@@ -22,9 +22,6 @@ import torch
 
 from mcore_rl.reshard.bucket import BucketReader, WeightSyncError
 
-FINISH_REASONS = ("stop", "length")
-
-
 @dataclass(frozen=True)
 class SamplingConfig:
     """How to sample responses (one request per prompt, ``n`` samples each)."""
@@ -162,8 +159,14 @@ class RolloutEngine(ABC):
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt prefixes (their KV entries came from older weights)."""
 
+    def attach_update_buffer(self, path: str, nbytes: int) -> None:
+        """Map the bucket file now and keep it mapped, so that its path can be removed at once
+        (the memory then lives exactly as long as some process maps it: no leftover file if
+        a process dies). Later sessions with the same (path, nbytes) reuse the mapping."""
+        self._reader.open(path, nbytes)
+
     def release_update_buffer(self) -> None:
-        """Unmap the bucket file, which engines keep mapped from one sync to the next."""
+        """Unmap the bucket file."""
         self._reader.close()
 
     def load_weights_from_dir(self, hf_dir: str, version: int) -> None:

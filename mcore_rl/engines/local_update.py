@@ -46,6 +46,8 @@ def update_from_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]
     create_bucket_file(path, capacity)
     try:
         buffer = map_bucket_file(path, capacity)
+        engine.attach_update_buffer(str(path), capacity)
+        remove_bucket_file(path)  # lives on while mapped
         engine.begin_update(str(path), capacity, version)
         try:
             for k, bucket in enumerate(buckets):

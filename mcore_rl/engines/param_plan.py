@@ -9,7 +9,7 @@ embedding's parameter, so it is not a parameter of its own. Legend as in `mcore_
 
 Used to check an engine's parameters against what the stream sends (names, shapes, fusion
 order; tests compare it with vLLM's live model and with a manifest made from SGLang's own
-model code), and by `mcore_rl.reshard.plan_view.engine_param_sources` to trace an engine
+model code), and by `mcore_rl.reshard.trace.engine_param_sources` to trace an engine
 parameter back to trainer ranks.
 """
 from __future__ import annotations

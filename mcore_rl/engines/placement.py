@@ -1,33 +1,46 @@
 """Where the engine runs beside the trainer, and which CPU cores each side gets.
 
-Decision (measured on the 2-core CPU machines, tiny Llama and SmolLM2-135M; numbers from
-``mcore-rl bench reshard --placement``, see ``benchmarks/reshard.py``):
-
-**The engine always runs in processes of its own** (vLLM's engine-core process, plus one
-worker process per engine TP rank), started from the controlling trainer rank (global
-rank 0), which keeps the client handle. Weights reach those processes through one
+Decision: **the engine always runs in processes of its own** (vLLM's engine-core process,
+plus one worker process per engine TP rank), started from the controlling trainer rank
+(global rank 0), which keeps the client handle. Weights reach those processes through one
 shared-memory bucket file (`mcore_rl.reshard.bucket`), never through a socket or a pickle.
-The alternative, vLLM inside the trainer's processes, was measured and rejected:
 
-- vLLM's distributed setup adopts an already initialised torch.distributed world: every
-  trainer rank must then build an engine (its groups are made from the whole world), so
-  the engine TP/replica layout is tied to the trainer's world size;
-- vLLM's CPU worker binds the process's OpenMP threads to cores and replaces
-  ``torch.set_num_threads`` process-wide, so the trainer can no longer size its own thread
-  pool (measured: the trainer step got slower after the engine started in-process);
-- what it would save is small: a sync through shared memory already costs far less than
-  the engine's generation for a step (see the numbers in ``benchmarks/reshard.py``).
+Measured on the 2-core CPU machine (``mcore-rl bench reshard --placement``: SmolLM2-135M,
+fp32, a TP1 trainer with 2 threads, the engine at TP1; two runs on a shared machine):
+
+==============================  ===================  ========================
+                                own processes        inside the trainer
+==============================  ===================  ========================
+engine start                    18.2-18.8 s          5.5-6.7 s
+generation (8 x 32 tokens)      162-164 tokens/s     132-147 tokens/s
+one weight sync (ours)          0.61-0.79 s          0.62-0.66 s
+trainer step, engine idle       2.09-2.14 s          2.33-2.34 s (+9-12 %)
+2-rank trainer world            works                rank 0 hangs (> 120 s)
+==============================  ===================  ========================
+
+Inside the trainer process the engine starts faster (no process spawn, vLLM already
+imported) but everything after that is worse or impossible: vLLM's distributed setup
+adopts an already initialised torch.distributed world and builds its groups from it, which
+is collective over *every* trainer rank, so an engine in rank 0 alone of a 2-rank world
+hangs and each trainer rank would have to host an engine shard (tying engine TP and
+replicas to the trainer's world size); its CPU worker binds OpenMP threads and replaces
+``torch.set_num_threads`` in the process it runs in, the trainer's; and trainer and engine
+then share one interpreter (generation 10-19 % slower, trainer step 9-12 % slower). A
+sync through shared memory costs about the same either way. The start-up cost of separate
+processes is paid once per run.
 
 Both placements use that process layout; they differ in how cores are shared:
 
 - ``colocated``: engine and trainer time-share all cores. The engine's threads are bound to
-  all cores (split between engine TP ranks) and sit idle while the trainer runs; on GPU
-  ``sleep()`` frees the KV cache (and offloads weights) between rollouts. vLLM's CPU
-  backend has no sleep mode, so on CPU sleeping only fences ``generate``.
-- ``separate``: engine and trainer get disjoint cores (the engine the first ones, one per
-  engine TP rank at least), so generation for step k+1 could overlap training of step k.
-  With fewer cores than engine TP ranks + 1 the split is impossible: both sides share all
-  cores, with a warning.
+  all cores (split between engine TP ranks: ``"0-1"`` at TP1, ``"0|1"`` at TP2) and sit
+  idle while the trainer runs; on GPU ``sleep()`` frees the KV cache (and offloads weights)
+  between rollouts. vLLM's CPU backend has no sleep mode, so on CPU sleeping only fences
+  ``generate``.
+- ``separate``: engine and trainer get disjoint cores (the engine the first ones, at least
+  one per engine TP rank; on 2 cores at TP1: engine ``"0"``, trainer core 1, which each
+  trainer rank applies with `pin_trainer_process`), so generation for step k+1 could
+  overlap training of step k. With fewer cores than engine TP ranks + 1 the split is
+  impossible: both sides share all cores, with a warning.
 """
 from __future__ import annotations
 

@@ -136,6 +136,9 @@ class VLLMEngine(RolloutEngine):
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
+    def attach_update_buffer(self, path: str, nbytes: int) -> None:
+        self._call_workers("mcore_rl_attach_buffer", path, nbytes)
+
     def release_update_buffer(self) -> None:
         self._call_workers("mcore_rl_release_buffer")
 

@@ -4,14 +4,15 @@ vLLM is started with ``worker_extension_cls="mcore_rl.engines.vllm_worker.Reshar
 its methods become ``collective_rpc`` targets on every worker (every engine TP rank). Their
 arguments are plain Python (paths, manifests), which is what ``collective_rpc`` can carry
 to multi-process workers (tensors in its kwargs arrive as lists there); the tensors
-themselves are read from the shared-memory bucket file (`mcore_rl.reshard.bucket`).
+themselves are read from the shared-memory bucket file (`mcore_rl.reshard.bucket`), which
+each worker maps once (``mcore_rl_attach_buffer``) and keeps mapped from one sync to the next.
 
 One sync is one session, the same steps as vLLM's own ``reload_weights`` but spread over
 several calls:
 
 - begin: ``initialize_layerwise_reload`` puts every layer back on the meta device and wraps
   its weight loaders, so loading buffers a layer's weights until all of them arrived;
-- each bucket: CRC-32 of every piece checked first (nothing of a bad bucket is loaded),
+- each bucket: the checksum of every piece checked first (nothing of a bad bucket is loaded),
   then ``model.load_weights`` with HF-named views of the bucket. A layer whose weights are
   complete is materialised, loaded, processed (the CPU backend repacks linear weights for
   its GEMM here) and copied into the original storage inside that call. Layers still
@@ -54,13 +55,21 @@ def _reported(method):
 class ReshardWorkerExtension:
     """Mixed into vLLM's worker class; method names are prefixed to avoid clashes."""
 
+    def _mcore_rl_open(self, path: str, nbytes: int):
+        if not hasattr(self, "_mcore_rl_reader"):
+            self._mcore_rl_reader = BucketReader()  # the mapping is kept between syncs
+        return self._mcore_rl_reader.open(path, nbytes)
+
+    @_reported
+    def mcore_rl_attach_buffer(self, path: str, nbytes: int) -> None:
+        """Map the bucket file (its path is removed right after every process mapped it)."""
+        self._mcore_rl_open(path, nbytes)
+
     @_reported
     def mcore_rl_begin_update(self, path: str, nbytes: int) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-        if not hasattr(self, "_mcore_rl_reader"):
-            self._mcore_rl_reader = BucketReader()  # the mapping is kept between syncs
-        self._mcore_rl_buffer = self._mcore_rl_reader.open(path, nbytes)
+        self._mcore_rl_buffer = self._mcore_rl_open(path, nbytes)
         self._mcore_rl_model = self.model_runner.get_model()
         initialize_layerwise_reload(self._mcore_rl_model)
 

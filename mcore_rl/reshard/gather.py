@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.reshard.plan import ReshardPlan
-from mcore_rl.reshard.stream import _source
+from mcore_rl.reshard.stream import piece_source
 
 
 @torch.no_grad()
@@ -26,9 +26,9 @@ def gather_hf_tensors(plan: ReshardPlan, views: dict, rank: int, dst: int = 0,
             full = torch.empty(t.shape, dtype=plan.wire_dtype) if rank == dst_global else None
             for p in t.pieces:
                 if p.rank == rank == dst_global:
-                    part = _source(p, views).to(plan.wire_dtype).reshape(p.shape)
+                    part = piece_source(p, views).to(plan.wire_dtype).reshape(p.shape)
                 elif p.rank == rank:
-                    dist.send(_source(p, views).to(plan.wire_dtype).contiguous().reshape(p.shape),
+                    dist.send(piece_source(p, views).to(plan.wire_dtype).contiguous().reshape(p.shape),
                               dst=dst_global, group=group)
                     continue
                 elif rank == dst_global:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from mcore_rl.algos import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC, KLController
@@ -18,7 +17,6 @@ from mcore_rl.metrics_log import MetricsLog
 from mcore_rl.train.run_checkpoints import RunCheckpoints
 
 
-WIRE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -123,10 +121,9 @@ def build_run(cfg: RLConfig, ctx: ParallelContext) -> RunState:
     rollout = None
     if ctx.rank == 0:
         rollout = build_rollout_engine(cfg.rollout, model_dir, dtype=m.dtype, seed=cfg.train.seed)
-    sync = WeightSync([getattr(c, "module", c) for c in actor.model], actor_model.spec.arch,
-                      engines=[rollout] if rollout else None, bucket_mb=cfg.reshard.bucket_mb,
-                      shm_dir=cfg.reshard.shm_dir, checksum=cfg.reshard.checksum,
-                      wire_dtype=WIRE_DTYPES[cfg.reshard.wire_dtype])
+    sync = WeightSync.from_config([getattr(c, "module", c) for c in actor.model],
+                                  actor_model.spec.arch, cfg.reshard,
+                                  engines=[rollout] if rollout else None)
     train_records = load_prompt_records(cfg.data, "train")
     val_records = load_prompt_records(cfg.data, "val")
     log = MetricsLog(cfg.logging.dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,

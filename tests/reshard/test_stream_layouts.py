@@ -171,3 +171,32 @@ def test_a_corrupted_bucket_fails_the_sync_on_every_rank_and_the_engine_says_so(
     params = results[0]["params"]
     assert torch.equal(params["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
     assert not torch.equal(params["model.norm.weight"], expected["model.norm.weight"])
+
+
+def _gathered(rank, world_size, layout, hf_dir):
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.gather import gather_hf_tensors
+    from mcore_rl.reshard.stream import local_holdings
+
+    tp, pp, vpp = layout
+    ctx = initialize_parallel(tp=tp, pp=pp, vpp=vpp)
+    try:
+        built = build_model(hf_dir, ctx)
+        holdings, views = local_holdings(built.chunks, rank)
+        everyone = [None] * world_size
+        import torch.distributed as dist
+
+        dist.all_gather_object(everyone, holdings)
+        plan = ReshardPlan.build([h for hs in everyone for h in hs], built.spec.arch, 2**16)
+        return gather_hf_tensors(plan, views, rank)
+    finally:
+        destroy_parallel()
+
+
+def test_gathering_every_piece_to_one_rank_rebuilds_the_hf_checkpoint(world, models):
+    hf_dir, _, expected = models["qwen2-tied"]
+    results = world.run(_gathered, LAYOUTS["TP2xPP2"], hf_dir)
+    assert all(r is None for r in results[1:])
+    assert sorted(results[0]) == sorted(expected)
+    assert all(torch.equal(results[0][n], t) for n, t in expected.items())
