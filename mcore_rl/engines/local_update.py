@@ -13,8 +13,8 @@ from typing import Iterable
 
 import torch
 
-from mcore_rl.reshard.bucket import (DTYPE_NAMES, WeightSyncError, align, create_bucket_file,
-                                     checksum, map_bucket_file, piece_view,
+from mcore_rl.reshard.bucket import (DTYPE_NAMES, WeightSyncError, align, copy_and_checksum,
+                                     create_bucket_file, map_bucket_file, piece_view,
                                      remove_bucket_file)
 from mcore_rl.reshard.plan import engine_module
 
@@ -55,9 +55,9 @@ def update_from_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]
                 for name, t in bucket:
                     nbytes = t.numel() * t.element_size()
                     dst = piece_view(buffer, at, nbytes, t.dtype, t.shape)
-                    dst.copy_(t)
+                    sums = copy_and_checksum(dst, t, algorithm)
                     tensors.append([name, DTYPE_NAMES[t.dtype], list(t.shape), 0,
-                                    [[at, nbytes, list(t.shape), checksum(dst, algorithm)]]])
+                                    [[at, nbytes, list(t.shape), sums]]])
                     at = align(at + nbytes)
                 engine.load_bucket({"bucket": k, "num_buckets": len(buckets), "version": version,
                                     "checksum": algorithm, "tensors": tensors})

@@ -10,7 +10,9 @@ write. One sync is one engine update session:
    lives as long as its mappings: allocating tmpfs pages costs more than copying into them,
    ~0.7 s per GB here, so the file is reused by every sync until `close`);
 2. per bucket k: each writer copies its pieces straight from its parameters into the file
-   (casting to the wire dtype), checksums them and sends the checksums to the controller
+   (casting to the wire dtype; the list of copies is built once per bucket), checksums each
+   piece right after copying it, while it is still in cache (`copy_and_checksum`), and
+   sends the checksums to the controller
    (``gather_object``, a few hundred bytes). The controller waits until the engines have
    loaded bucket k-1, hands bucket k to a loader thread (every replica checks, then loads
    it) and broadcasts the verdict on k-1, which frees k-1's half of the file: writers fill
@@ -23,11 +25,13 @@ every engine (``abort_update``: the engine marks itself as holding mixed weight 
 and refuses to generate) and raises `WeightSyncError` with the same message on every
 rank, so no rank hangs in a collective and no engine is left half-updated silently.
 
-Overlapping writes and loads costs nothing measurable on 2 shared cores (SmolLM2-135M: 0.51 s
-either way) and hides the shorter of the two where writer and engine have cores of their own.
-Measured (``mcore-rl bench reshard``, SmolLM2-135M fp32 into vLLM on CPU): 0.49-0.52 s per
-sync (1.0-1.1 GB/s) against 0.67 s (trainer TP1) and 1.11 s (PP2, gather to one rank) for
-writing an HF checkpoint and reloading it; engine and trainer log-probs then agree to 5e-6.
+Overlapping writes and loads hides the shorter of the two where writer and engine have
+cores of their own; on 2 shared cores they also compete for them. Measured (``mcore-rl
+bench reshard``, SmolLM2-135M fp32 into vLLM on CPU, 2 cores shared with other work): 0.46 s
+per sync at trainer TP1 (transfer 0.13 s) against 0.80 s for writing an HF checkpoint and
+reloading it (disk write+read 0.44 s); at PP2 the transfer takes 0.16 s against 1.25 s for
+gathering to one rank and writing; the engine's own loading (vLLM's layerwise processing,
+the same in both paths) is most of the rest. Engine and trainer log-probs then agree to 5e-6.
 
 Memory: the bucket file holds two buckets of at most ``bucket_mb / 2`` each (an engine
 module larger than that, typically the embedding, gets a bucket of its own), so it is at
@@ -48,7 +52,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mcore_rl.reshard.bucket import (WeightSyncError, checksum, create_bucket_file,
+from mcore_rl.reshard.bucket import (WeightSyncError, copy_and_checksum, create_bucket_file,
                                      map_bucket_file, piece_view, remove_bucket_file)
 from mcore_rl.reshard.plan import Holding, Piece, ReshardPlan
 
@@ -168,7 +172,7 @@ class WeightSync:
 
     def close(self) -> None:
         """Free the bucket file: every process unmaps it. Collective."""
-        self.buffer = None
+        self.buffer, self._write_cache = None, None
         if self.rank == self.controller:
             for engine in self.engines:
                 engine.release_update_buffer()
@@ -265,16 +269,36 @@ class WeightSync:
         stats.per_bucket_apply_s.append(elapsed)
         return None
 
+    def _writes(self, k: int, buffer: torch.Tensor, views: dict) -> list:
+        """(tensor index, piece index, destination view, source view) of this rank's pieces
+        of bucket k; built once per bucket and kept while ``views`` stays the same."""
+        cache = getattr(self, "_write_cache", None)
+        if cache is None or cache[0] is not views or cache[1] is not buffer:
+            cache = self._write_cache = (views, buffer, {})
+        if k not in cache[2]:
+            dtype, writes = self.plan.wire_dtype, []
+            size = torch.empty((), dtype=dtype).element_size()
+            for ti, t in enumerate(self.plan.buckets[k].tensors):
+                for pi, p in enumerate(t.pieces):
+                    if p.rank == self.rank:
+                        nbytes = int(torch.Size(p.shape).numel()) * size
+                        dst = piece_view(buffer, p.offset, nbytes, dtype, p.shape)
+                        src = piece_source(p, views)
+                        writes.append((ti, pi, dst.view(src.shape), src))
+            cache[2][k] = writes
+        return cache[2][k]
+
     def _one_bucket(self, k: int, buffer: torch.Tensor, views: dict, version: int,
                     stats: SyncStats, hook: BucketHook | None, loader, loading: Future | None):
         """Write bucket k, hand it to the loader; returns the (controller's) pending load."""
         t0 = time.perf_counter()
         mine, failure = {}, None
         try:
-            for ti, t in enumerate(self.plan.buckets[k].tensors):
-                for pi, p in enumerate(t.pieces):
-                    if p.rank == self.rank:
-                        mine[(ti, pi)] = self._write(p, buffer, views)
+            # Plain tensor ops: no torch-function handlers (e.g. a mode that redirects
+            # Megatron's CUDA calls) between this loop and the copies it runs.
+            with torch._C.DisableTorchFunction():
+                for ti, pi, dst, src in self._writes(k, buffer, views):
+                    mine[(ti, pi)] = copy_and_checksum(dst, src, self.checksum)
         except Exception as err:  # noqa: BLE001 - reported through the controller
             failure = f"rank {self.rank} writing bucket {k + 1}: {err!r}"
         gathered = [None] * dist.get_world_size(self.group) if self.rank == self.controller else None
@@ -296,11 +320,3 @@ class WeightSync:
                 loading = loader.submit(self._load, manifest)
         self._verdict(error)
         return loading
-
-    def _write(self, piece: Piece, buffer: torch.Tensor, views: dict) -> list[int]:
-        dtype = self.plan.wire_dtype
-        nbytes = int(torch.Size(piece.shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        dst = piece_view(buffer, piece.offset, nbytes, dtype, piece.shape)
-        src = piece_source(piece, views)
-        dst.view(src.shape).copy_(src)
-        return checksum(dst, self.checksum)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from mcore_rl.reshard.bucket import (BucketChecksumError, check_manifest, checksum,
-                                     create_bucket_file, map_bucket_file, piece_view, read_tensors)
+                                     copy_and_checksum, create_bucket_file, map_bucket_file,
+                                     piece_view, read_tensors)
 
 
 @pytest.mark.parametrize("algorithm", ["sum64", "crc32"])
@@ -25,6 +26,42 @@ def test_sum64_notices_blocks_that_were_written_in_the_wrong_place():
     words = torch.randint(-2**62, 2**62, (4 * 512,), dtype=torch.int64)
     swapped = torch.cat([words[512:1024], words[:512], words[1024:]])
     assert checksum(words) != checksum(swapped)
+
+
+def _reference_sum64(data: torch.Tensor) -> list[int]:
+    """sum64 by its definition, word by word in Python (int64 wrap-around)."""
+    raw, start = data.tolist(), data.storage_offset()
+    head = min(-start % 8, len(raw))
+    n_words = (len(raw) - head) // 8
+    loose = raw[:head] + raw[head + 8 * n_words:]
+    words = [int.from_bytes(bytes(raw[head + 8 * i:head + 8 * i + 8]), "little", signed=True)
+             for i in range(n_words)]
+    rows = [sum(words[b:b + 512]) for b in range(0, n_words // 512 * 512, 512)]
+    rows.append(sum(words[n_words // 512 * 512:]) + sum(loose))
+    wrap = lambda x: (x + 2**63) % 2**64 - 2**63  # noqa: E731
+    return [wrap(sum(rows)), wrap(sum((i + 1) * r for i, r in enumerate(rows)))]
+
+
+@pytest.mark.parametrize("offset, nbytes", [(0, 0), (3, 5), (1, 13), (0, 4096), (8, 3 * 4096 + 20),
+                                            (5, 2 * 4096 + 7)])
+def test_sum64_follows_its_definition(offset, nbytes):
+    data = torch.randint(0, 256, (offset + nbytes,), dtype=torch.uint8)
+    data[offset::3] = 0xFF  # large words: the sums wrap around
+    assert checksum(data[offset:]) == _reference_sum64(data[offset:])
+
+
+@pytest.mark.parametrize("wire, source", [(torch.float32, torch.float32),
+                                          (torch.bfloat16, torch.float32),
+                                          (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("numel", [5, 4 * 2**20 + 3, 6 * 2**20])
+@pytest.mark.parametrize("offset", [0, 64, 4])
+def test_copy_and_checksum_equals_a_copy_then_its_checksum(wire, source, numel, offset):
+    src = torch.randn(numel).to(source)
+    size = torch.empty((), dtype=wire).element_size()
+    raw = torch.zeros(offset + numel * size, dtype=torch.uint8)
+    dst = raw[offset:].view(wire)
+    got = copy_and_checksum(dst, src)
+    assert torch.equal(dst, src.to(wire)) and got == checksum(dst)
 
 
 def _bucket(tmp_path, tensors):
