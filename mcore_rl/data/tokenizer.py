@@ -39,7 +39,8 @@ class HFTokenizer:
         if chat and self.tok.chat_template:
             out = self.tok.apply_chat_template([{"role": "user", "content": text}],
                                                add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, dict) else out)
+            ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5: a BatchEncoding
+            return [int(i) for i in ids]
         return self.tok.encode(text)
 
 
@@ -75,6 +76,21 @@ class CharTokenizer:
 
     def save(self, directory: str | Path) -> None:
         (Path(directory) / self.FILE).write_text(json.dumps({"alphabet": self.alphabet}))
+
+    def to_hf(self):
+        """The same tokenizer as a transformers ``PreTrainedTokenizerFast`` (for tools that
+        need one): identical ids, a <bos> prepended as `encode_prompt` does."""
+        from tokenizers import Regex, Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<pad>": self.pad_id, "<bos>": self.bos_id, "<eos>": self.eos_id, **self._ids}
+        raw = RawTokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+        raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        raw.decoder = decoders.Fuse()
+        raw.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", self.bos_id)])
+        return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", bos_token="<bos>",
+                                       eos_token="<eos>", padding_side="left")
 
     @classmethod
     def load(cls, directory: str | Path) -> "CharTokenizer":
