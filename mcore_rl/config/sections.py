@@ -74,6 +74,9 @@ class RolloutConfig:
     """Responses per prompt (the group size of GRPO/RLOO)."""
     max_new_tokens: int = 64
     """Longest response."""
+    min_new_tokens: int = 0
+    """Stop tokens are masked until a response has this many tokens (benchmarks use it for
+    fixed-length responses; 0 for training)."""
     max_prompt_tokens: int = 256
     """Prompts longer than this are filtered out (counted in the logs)."""
     temperature: float = 1.0
@@ -106,6 +109,8 @@ class ReshardConfig:
     verify: bool = True
     """After each sync, compare engine and trainer log-probs on a fixed probe batch and fail
     above verify_tolerance."""
+    verify_every: int = 10
+    """Verify the first sync and then every N-th one (1: after every sync)."""
     verify_tolerance: float = 0.05
     """Largest allowed |engine - trainer| log-prob on probe tokens (fp32 agrees to ~1e-5,
     bf16 to a few 1e-2)."""

@@ -100,6 +100,11 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
     if r.temperature < 0:
         raise ConfigError(f"rollout.temperature must be >= 0, got {r.temperature}")
+    if cfg.reshard.verify_every < 1:
+        raise ConfigError(f"reshard.verify_every must be >= 1, got {cfg.reshard.verify_every}")
+    if not 0 <= r.min_new_tokens <= r.max_new_tokens:
+        raise ConfigError(f"rollout.min_new_tokens must be between 0 and rollout.max_new_tokens="
+                          f"{r.max_new_tokens}, got {r.min_new_tokens}")
     if cfg.algorithm.dual_clip is not None and cfg.algorithm.dual_clip <= 1.0:
         raise ConfigError(f"algorithm.dual_clip must be > 1 (or null), got {cfg.algorithm.dual_clip}")
     if cfg.optimizer.lr < 0:

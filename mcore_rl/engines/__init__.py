@@ -57,10 +57,10 @@ def build_rollout_engine(cfg, model_dir: str | Path, *, dtype: str = "fp32", see
 
 
 def sampling_from_config(cfg, stop_token_ids=(), seed: int | None = None) -> SamplingConfig:
-    """`SamplingConfig` of a `RolloutConfig` (n, temperature, top-p/k, max new tokens)."""
+    """`SamplingConfig` of a `RolloutConfig` (n, temperature, top-p/k, min/max new tokens)."""
     return SamplingConfig(n=cfg.n_samples_per_prompt, temperature=cfg.temperature,
                           top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                          stop_token_ids=tuple(stop_token_ids), seed=seed)
+                          min_new_tokens=cfg.min_new_tokens, stop_token_ids=tuple(stop_token_ids), seed=seed)
 
 
 __all__ = ["ENGINES", "RolloutEngine", "Rollouts", "RolloutSample", "SamplingConfig",

@@ -36,6 +36,9 @@ class SamplingConfig:
     """Top-k sampling; -1 disables; other values truncate the distribution (warned)."""
     max_new_tokens: int = 64
     """Longest response."""
+    min_new_tokens: int = 0
+    """Stop tokens are masked until a response has this many tokens (for fixed-length
+    benchmarks; engine log-probs then reflect that mask at those steps)."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a response (kept as its last token, finish reason "stop")."""
     seed: int | None = None

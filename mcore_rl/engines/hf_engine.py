@@ -52,7 +52,8 @@ class HFEngine(RolloutEngine):
                 temperature=None if greedy else sampling.temperature,
                 top_p=None if greedy else sampling.top_p,
                 top_k=None if greedy or sampling.top_k < 1 else sampling.top_k,
-                max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
+                max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens or None,
+                num_return_sequences=sampling.n,
                 eos_token_id=list(stop) or None, pad_token_id=0, output_logits=True,
                 return_dict_in_generate=True)
             temperature = 1.0 if greedy else sampling.temperature

@@ -51,6 +51,7 @@ class SGLangEngine(RolloutEngine):
                 params.append({
                     "temperature": sampling.temperature, "top_p": sampling.top_p,
                     "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens,
+                    "min_new_tokens": sampling.min_new_tokens,
                     "stop_token_ids": list(sampling.stop_token_ids) or None,
                     "sampling_seed": None if seed is None else seed + j * SAMPLE_SEED_STRIDE})
         outputs = self.engine.generate(input_ids=inputs, sampling_params=params,

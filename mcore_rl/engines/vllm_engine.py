@@ -100,7 +100,7 @@ class VLLMEngine(RolloutEngine):
                   seeds: list[int | None]) -> Rollouts:
         params = [vllm_shim.sampling_params(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
+            top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
             stop_token_ids=list(sampling.stop_token_ids), seed=seed, logprobs=0,
             detokenize=False) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,

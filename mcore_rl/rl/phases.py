@@ -185,7 +185,8 @@ def sync_weights(state) -> dict[str, float]:
     stats = state.sync.sync(state.weight_version)
     out = {"sync/seconds": stats.total_s, "sync/transfer_s": stats.transfer_s,
            "sync/apply_s": stats.apply_s}
-    if state.cfg.reshard.verify:
+    r = state.cfg.reshard
+    if r.verify and (state.weight_version - 1) % r.verify_every == 0:
         from mcore_rl.reshard.verify import probe_prompts, verify_engine_logprobs
 
         report = verify_engine_logprobs(

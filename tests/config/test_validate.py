@@ -62,3 +62,16 @@ def test_heads_are_read_from_the_checkpoint_config_when_a_path_is_given(tmp_path
 def test_model_path_without_config_json_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="has no config.json"):
         check([f"model.path={tmp_path}"])
+
+
+def test_verify_every_below_one_is_rejected():
+    with pytest.raises(ConfigError, match=r"reshard.verify_every must be >= 1, got 0"):
+        check(["reshard.verify_every=0"])
+
+
+@pytest.mark.parametrize("overrides", [["rollout.min_new_tokens=-1"],
+                                       ["rollout.max_new_tokens=8", "rollout.min_new_tokens=9"]])
+def test_min_new_tokens_outside_zero_to_max_is_rejected(overrides):
+    with pytest.raises(ConfigError, match=r"rollout.min_new_tokens must be between 0 and "
+                                          r"rollout.max_new_tokens="):
+        check(overrides)

@@ -61,3 +61,13 @@ def test_update_weights_makes_it_generate_what_the_new_weights_generate(engine, 
 def test_the_hf_engine_refuses_tensor_parallelism(dirs):
     with pytest.raises(UsageError, match="engine_tp=1"):
         HFEngine(dirs[0], tp=2)
+
+
+def test_min_new_tokens_masks_the_stop_token_until_that_length(engine):
+    greedy = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_new_tokens=8))[0]
+    stop = greedy.token_ids[1]
+    held = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_new_tokens=8, min_new_tokens=8,
+                                                       stop_token_ids=(stop,)))[0]
+    assert len(held.token_ids) == 8 and held.finish_reason == "length"
+    first = greedy.token_ids.index(stop)
+    assert stop not in held.token_ids and held.token_ids[:first] == greedy.token_ids[:first]

@@ -89,6 +89,16 @@ def test_a_stop_token_ends_the_response_with_it_and_reason_stop(engine):
     assert stopped.finish_reason == "stop" and greedy.finish_reason == "length"
 
 
+def test_min_new_tokens_masks_the_stop_token_until_that_length(engine):
+    greedy = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_new_tokens=8)).samples[0]
+    stop = greedy.token_ids[2]
+    first = greedy.token_ids.index(stop)
+    held = engine.generate(PROMPTS[:1], SamplingConfig(
+        temperature=0, max_new_tokens=8, min_new_tokens=8, stop_token_ids=(stop,))).samples[0]
+    assert len(held.token_ids) == 8 and held.finish_reason == "length"
+    assert stop not in held.token_ids and held.token_ids[:first] == greedy.token_ids[:first]
+
+
 def test_changing_top_p_or_top_k_warns_that_the_distribution_is_truncated():
     with pytest.warns(UserWarning, match="truncated"):
         SamplingConfig(top_p=0.9)
