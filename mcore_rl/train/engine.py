@@ -63,12 +63,16 @@ class TrainEngine:
         vocab_size: real vocabulary size (padded columns are excluded from log-probs).
         micro_batch_tokens: padded-token budget of one micro-batch.
         optimizer: ``(megatron_optimizer, scheduler)`` for trainable engines, else None.
-        logprob_impl: implementation switch passed to ``mcore_rl.kernels.token_logprobs``.
+        logprob_impl: implementation switch passed to the log-prob kernels.
+        fused_lm_head: apply the LM head inside the log-prob, only at response tokens
+            (`mcore_rl.train.fused_head`); outputs at other positions are then 0. False:
+            the model's own output layer computes logits at every position.
     """
 
     def __init__(self, chunks: list, ctx: ParallelContext, *, kind: str = "lm",
                  vocab_size: int | None = None, micro_batch_tokens: int = 4096,
-                 optimizer=None, scheduler=None, logprob_impl: str = "auto"):
+                 optimizer=None, scheduler=None, logprob_impl: str = "auto",
+                 fused_lm_head: bool = True):
         if kind not in ("lm", "value"):
             raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
         self.model = chunks
@@ -79,6 +83,11 @@ class TrainEngine:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.logprob_impl = logprob_impl
+        self.output_weight = None
+        if kind == "lm" and fused_lm_head:
+            from mcore_rl.train.fused_head import defer_output_layer
+
+            self.output_weight = defer_output_layer(chunks)
         self.steps_done = 0
 
     # ----- what the model computes per micro-batch ------------------------------------
@@ -89,12 +98,19 @@ class TrainEngine:
         if self.kind == "value":
             values = output.float().reshape(output.shape[0], output.shape[1])
             return {"values": shift_right(values) * real}
+        tp_group = self.ctx.tp_group if self.ctx.tp > 1 else None
+        if self.output_weight is not None:
+            from mcore_rl.train.fused_head import response_logprobs
+
+            return response_logprobs(output, self.output_weight, mb, vocab_size=self.vocab_size,
+                                     tp_group=tp_group, temperature=temperature,
+                                     with_entropy=with_entropy, impl=self.logprob_impl)
         from mcore_rl.kernels import token_logprobs
 
         ids = mb["input_ids"]
         res = token_logprobs(
             output[:, :-1], ids[:, 1:], vocab_size=self.vocab_size,
-            tp_group=self.ctx.tp_group if self.ctx.tp > 1 else None, temperature=temperature,
+            tp_group=tp_group, temperature=temperature,
             return_entropy=with_entropy, impl=self.logprob_impl)
         lp, ent = res if with_entropy else (res, None)
         out = {"logprobs": torch.nn.functional.pad(lp, (1, 0)) * real}

@@ -1,0 +1,64 @@
+"""The LM head applied by the engine, fused with the log-prob, on the tokens that need it.
+
+Megatron's ``GPTModel`` ends with its (vocab-parallel) output layer: [tokens, vocab/tp]
+logits for every position, prompt and padding included, that the log-prob then reads once.
+`defer_output_layer` turns that layer into a pass-through on the model's last stage, so the
+model returns its final hidden states; `response_logprobs` then applies the output weight
+only at positions whose next token is a response token, in chunks, through
+`mcore_rl.kernels.linear_token_logprobs` (log-prob and entropy without the full logits, and
+a backward that never holds a [tokens, vocab] gradient). Prompt and padding positions, which
+no RL loss reads, cost nothing in the LM head.
+
+The parameters stay where they were (same names, same tied-embedding copy on the last
+stage), so checkpoints, DDP gradient buffers and weight sync see the model unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from mcore_rl.data.batch import Batch
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def defer_output_layer(chunks: list) -> torch.Tensor | None:
+    """Make the model's output layer return its input; the output weight it would have used
+    (None on ranks without the output layer, i.e. not the last pipeline stage)."""
+    model = _unwrap(chunks[-1])
+    if not getattr(model, "post_process", False):
+        return None
+    layer = model.output_layer
+
+    def passthrough(hidden, weight=None, runtime_gather_output=None):
+        return hidden, None
+
+    layer.forward = passthrough
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return layer.weight
+
+
+def response_logprobs(hidden: torch.Tensor, weight: torch.Tensor, mb: Batch, *, vocab_size,
+                      tp_group, temperature: float, with_entropy: bool, impl: str,
+                      ) -> dict[str, torch.Tensor]:
+    """``hidden`` [b, T, H] -> ``logprobs`` (and ``entropy``) [b, T] fp32, aligned to the token
+    they describe, at response tokens (0 elsewhere)."""
+    from mcore_rl.kernels import linear_token_logprobs
+
+    ids = mb["input_ids"]
+    target = mb["response_mask"][:, 1:].bool()  # position t predicts token t + 1
+    res = linear_token_logprobs(hidden[:, :-1][target], weight, ids[:, 1:][target],
+                                vocab_size=vocab_size, tp_group=tp_group, temperature=temperature,
+                                return_entropy=with_entropy, impl=impl)
+    flat = res if with_entropy else (res,)
+    names = ("logprobs", "entropy")[:len(flat)]
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(target.shape, dtype=values.dtype, device=values.device)
+        return torch.nn.functional.pad(out.masked_scatter(target, values), (1, 0))
+
+    return {name: place(v) for name, v in zip(names, flat)}
