@@ -145,4 +145,5 @@ class PhaseTimer:
         total = sum(self.seconds.values())
         tokens = float(batch["attention_mask"].sum())
         return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": total,
+                "perf/tokens": tokens, "perf/responses": float(len(batch)),
                 "perf/tokens_per_s": tokens / total if total else 0.0}

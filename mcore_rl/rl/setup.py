@@ -17,8 +17,6 @@ from mcore_rl.metrics_log import MetricsLog
 from mcore_rl.train.run_checkpoints import RunCheckpoints
 
 
-
-
 @dataclass
 class RunState:
     cfg: RLConfig

@@ -1,0 +1,245 @@
+"""`mcore-rl bench train`: RL steps per second of `mcore-rl train` vs TRL's ``GRPOTrainer``.
+
+In one run, per size, both frameworks train GRPO from the same initial weights on the same
+prompts, reward, group size, response length, KL coefficient, loss aggregation, clip range,
+optimizer settings and threads, each in a fresh process:
+
+- **ours**: ``mcore-rl train CONFIG`` (the real loop: vLLM generation, reward, Megatron
+  log-probs and update, weight sync into the engine), its per-step ``time/*`` metrics;
+- **baseline**: TRL ``GRPOTrainer`` (``benchmarks/_trl_grpo.py``; HF ``generate`` on the
+  trained model, HF forward/backward), timed per phase the same way.
+
+Responses have a fixed length on both sides (stop tokens masked until ``max_new_tokens``), so
+both process the same number of tokens per step. Figures are medians over the steps after
+``--warmup`` steps (the first steps pay for compilation and allocation). Tokens are prompt +
+response tokens of the step. Per-phase comparisons: generate, score, logprobs (reference /
+old log-probs and advantages), update; the weight sync exists only on our side (TRL
+generates with the trained model itself) and is reported on its own.
+
+Sizes: ``quickstart`` (the quick start's tiny model and task: compute is negligible, so the
+step time shows our fixed per-step overhead) and ``smollm2`` (SmolLM2-135M-Instruct on
+reasoning-gym arithmetic with 128-token responses; target: >= 1.5x TRL's tokens/s).
+``--quick``: the quickstart size with few steps (for tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mcore_rl.benchmarks._common import (machine_info, rounded, throughput_comparison,
+                                         time_comparison, write_json)
+from mcore_rl.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = ("generate", "score", "logprobs", "update")
+TARGET_SPEEDUP = {"smollm2": 1.5}
+
+
+@dataclass
+class Size:
+    config: str
+    """Config file (relative to the repository root, or a path)."""
+    overrides: list[str] = field(default_factory=list)
+    steps: int = 4
+    warmup: int = 1
+
+
+SIZES = {
+    "quickstart": Size("configs/quickstart.yaml", steps=8, warmup=2),
+    "smollm2": Size("configs/smollm2_grpo.yaml", ["data.prompts_per_step=4", "rollout.max_new_tokens=128"],
+                    steps=4, warmup=1),
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[bench train] {msg}", flush=True)
+
+
+def _config_path(config: str) -> Path:
+    for path in (Path(config), REPO / config):
+        if path.is_file():
+            return path
+    raise UsageError(f"config '{config}' not found (run from the repository root or pass --config)")
+
+
+def our_overrides(cfg, steps: int, log_dir: Path, threads: int) -> list[str]:
+    """The benchmark's changes to a training config: fixed-length responses, no warm start,
+    validation, samples, TensorBoard or intermediate checkpoints, all cores for the ranks."""
+    world = cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
+    return [f"train.steps={steps}", "train.warm_start_steps=0", "train.val_every=0",
+            "checkpoint.save_every=0", "checkpoint.resume=never", "logging.samples_every=0",
+            "logging.tensorboard=false", "logging.progress_bar=false", f"logging.dir={log_dir}",
+            f"rollout.min_new_tokens={cfg.rollout.max_new_tokens}",
+            f"parallel.cpu_threads_per_rank={max(1, threads // world)}"]
+
+
+def run_ours(config: Path, overrides: list[str], log_dir: Path) -> list[dict]:
+    """``mcore-rl train`` in a fresh process; the per-step records of its metrics log."""
+    cmd = [sys.executable, "-m", "mcore_rl.cli.main", "train", str(config), *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mcore-rl train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = []
+    for r in records:
+        if "time/step" not in r:
+            continue
+        steps.append({"step": r["time/step"], **{p: r.get(f"time/{p}", 0.0) for p in PHASES},
+                      "values": r.get("time/values", 0.0), "sync": r.get("time/sync", 0.0),
+                      "tokens": r["perf/tokens"], "responses": r["perf/responses"]})
+    return steps
+
+
+def trl_spec(cfg, model_dir: Path, out_dir: Path, steps: int, threads: int) -> dict:
+    """What `_trl_grpo` needs to train the same way as ``cfg``."""
+    from mcore_rl.data.prompts import load_prompt_records
+    from mcore_rl.data.tokenizer import CharTokenizer, load_tokenizer
+
+    a, o, r = cfg.algorithm, cfg.optimizer, cfg.rollout
+    if a.advantage_estimator != "grpo" or a.ppo_epochs != 1 or a.mini_batches != 1:
+        raise UsageError("bench train compares GRPO with one epoch over one mini-batch "
+                         f"(got {a.advantage_estimator}, ppo_epochs={a.ppo_epochs}, "
+                         f"mini_batches={a.mini_batches})")
+    tokenizer = load_tokenizer(model_dir)
+    records = load_prompt_records(cfg.data, "train")
+    longest = max(len(tokenizer.encode_prompt(x.prompt, cfg.data.apply_chat_template)) for x in records)
+    batch = cfg.data.prompts_per_step * r.n_samples_per_prompt
+    per_micro = max(1, o.micro_batch_tokens // (longest + r.max_new_tokens))
+    micro = max(d for d in range(1, batch + 1) if batch % d == 0 and d <= per_micro)
+    return {
+        "model_dir": str(model_dir), "output_dir": str(out_dir), "threads": threads,
+        "tokenizer": "char" if (model_dir / CharTokenizer.FILE).exists() else "hf",
+        "records": [{"prompt": x.prompt, "meta": x.meta} for x in records],
+        "chat": cfg.data.apply_chat_template and bool(getattr(getattr(tokenizer, "tok", None),
+                                                              "chat_template", None)),
+        "reward": _reward_name(cfg),
+        "seed": cfg.train.seed, "steps": steps, "prompts_per_step": cfg.data.prompts_per_step,
+        "num_generations": r.n_samples_per_prompt, "micro_batch": micro,
+        "max_new_tokens": r.max_new_tokens, "min_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature, "lr": o.lr, "weight_decay": o.weight_decay,
+        "adam_beta1": o.adam_beta1, "adam_beta2": o.adam_beta2, "adam_eps": o.adam_eps,
+        "clip_grad": o.clip_grad, "kl_coef": a.kl_coef,
+        "loss_type": {"token_mean": "dapo", "seq_mean": "grpo"}[a.loss_aggregation],
+        "clip_low": a.clip_ratio_low, "clip_high": a.clip_ratio_high,
+    }
+
+
+def _reward_name(cfg) -> str:
+    return "exact" if cfg.reward.name == "builtin" else cfg.reward.name
+
+
+def run_trl(spec: dict, work: Path) -> list[dict]:
+    spec_path, out_path = work / "trl_spec.json", work / "trl_steps.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "mcore_rl.benchmarks._trl_grpo", str(spec_path),
+                           str(out_path)], capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL GRPOTrainer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(out_path.read_text())
+
+
+def _median(steps: list[dict], key: str) -> float:
+    return statistics.median(s[key] for s in steps)
+
+
+def compare(ours: list[dict], trl: list[dict], warmup: int) -> dict:
+    ours, trl = ours[warmup:], trl[warmup:]
+    if not ours or not trl:
+        raise RuntimeError("no steps left after the warm-up steps; raise --steps")
+    rate = lambda steps: statistics.median(s["tokens"] / s["step"] for s in steps)  # noqa: E731
+    return {
+        "steps_measured": {"ours": len(ours), "baseline": len(trl)},
+        "tokens_per_step": {"ours": _median(ours, "tokens"), "baseline": _median(trl, "tokens"),
+                            "unit": "tokens"},
+        "responses_per_step": {"ours": _median(ours, "responses"), "baseline": _median(trl, "responses"),
+                               "unit": "responses"},
+        "tokens_per_s": throughput_comparison(rate(ours), rate(trl), "tokens/s"),
+        "step_time": time_comparison(_median(ours, "step"), _median(trl, "step")),
+        "phases": {p: time_comparison(_median(ours, p), _median(trl, p)) for p in PHASES},
+        "ours_only": {"sync_s": _median(ours, "sync"), "values_s": _median(ours, "values")},
+    }
+
+
+def bench_size(name: str, size: Size, steps: int | None, warmup: int | None, threads: int) -> dict:
+    from mcore_rl.config import load_config
+
+    steps = steps or size.steps
+    warmup = size.warmup if warmup is None else warmup
+    config = _config_path(size.config)
+    with tempfile.TemporaryDirectory(prefix=f"mcore-rl-bench-train-{name}-") as tmp:
+        work = Path(tmp)
+        base = load_config(str(config), size.overrides)
+        overrides = size.overrides + our_overrides(base, steps, work / "ours", threads)
+        cfg = load_config(str(config), overrides)
+        _log(f"{name}: mcore-rl train, {steps} steps")
+        ours = run_ours(config, overrides, work / "ours")
+        if cfg.model.path:
+            from mcore_rl.models.builtin import resolve_model_path
+
+            model_dir = resolve_model_path(cfg.model.path)
+        else:
+            model_dir = work / "ours" / "initial_model"  # the random tiny model our run started from
+        _log(f"{name}: TRL GRPOTrainer, {steps} steps")
+        trl = run_trl(trl_spec(cfg, model_dir, work / "trl", steps, threads), work)
+    report = {"config": size.config, "overrides": overrides,
+              "model": cfg.model.path or "built-in random tiny Llama",
+              "settings": {"prompts_per_step": cfg.data.prompts_per_step,
+                           "group_size": cfg.rollout.n_samples_per_prompt,
+                           "response_tokens": cfg.rollout.max_new_tokens,
+                           "kl_coef": cfg.algorithm.kl_coef,
+                           "loss_aggregation": cfg.algorithm.loss_aggregation,
+                           "micro_batch_tokens": cfg.optimizer.micro_batch_tokens,
+                           "threads": threads, "warmup_steps": warmup},
+              **compare(ours, trl, warmup),
+              "per_step": {"ours": ours, "baseline": trl}}
+    if name in TARGET_SPEEDUP:
+        report["target"] = {"tokens_per_s_speedup": TARGET_SPEEDUP[name],
+                            "met": report["tokens_per_s"]["speedup"] >= TARGET_SPEEDUP[name]}
+    if name == "quickstart":
+        report["note"] = ("compute is negligible at this size: our step time is the fixed "
+                          "per-step overhead of the loop (engine round trips, weight sync, "
+                          "Megatron schedule)")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mcore-rl bench train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True, help="output JSON path")
+    parser.add_argument("--sizes", default="quickstart,smollm2",
+                        help=f"comma-separated sizes (of {', '.join(SIZES)})")
+    parser.add_argument("--steps", type=int, help="RL steps per run (default per size)")
+    parser.add_argument("--warmup", type=int, help="steps left out of the figures (default per size)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per side")
+    parser.add_argument("--quick", action="store_true", help="quickstart size, 4 steps (for tests)")
+    args = parser.parse_args(argv)
+    sizes = ["quickstart"] if args.quick else [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        raise UsageError(f"unknown size {unknown[0]!r}; choose from {', '.join(SIZES)}")
+    steps, warmup = (4, 2) if args.quick else (args.steps, args.warmup)
+    if steps is not None and steps <= (warmup or 0):
+        raise UsageError(f"--steps {steps} leaves nothing after --warmup {warmup}")
+    results = {name: bench_size(name, SIZES[name], steps, warmup, args.threads) for name in sizes}
+    write_json(args.json, rounded({"benchmark": "train", "machine": machine_info(),
+                                   "baseline": "TRL GRPOTrainer (HF generate + HF training)",
+                                   "results": results}))
+    for name, r in results.items():
+        tps = r["tokens_per_s"]
+        _log(f"{name}: ours {tps['ours']:.1f} tokens/s, TRL {tps['baseline']:.1f} tokens/s, "
+             f"x{tps['speedup']:.2f}; step {r['step_time']['ours']:.2f} s vs "
+             f"{r['step_time']['baseline']:.2f} s; phases " + ", ".join(
+                 f"{p} x{c['speedup']:.2f}" for p, c in r["phases"].items() if c["speedup"]))
+    _log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
