@@ -121,7 +121,7 @@ def run(spec: dict) -> list[dict]:
         max_grad_norm=spec["clip_grad"], beta=spec["kl_coef"], loss_type=spec["loss_type"],
         epsilon=spec["clip_low"], epsilon_high=spec["clip_high"], num_iterations=1,
         scale_rewards="group", disable_dropout=True, remove_unused_columns=False,
-        dataloader_num_workers=0, bf16=False, fp16=False, log_completions=False)
+        dataloader_num_workers=0, bf16=spec["bf16"], fp16=False, log_completions=False)
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     trainer = Timed(model=model, reward_funcs=_reward_function(spec["reward"]), args=args,
                     train_dataset=_dataset(spec), processing_class=_tokenizer(spec),

@@ -9,7 +9,9 @@ optimizer settings and threads, each in a fresh process:
 - **baseline**: TRL ``GRPOTrainer`` (``benchmarks/_trl_grpo.py``; HF ``generate`` on the
   trained model, HF forward/backward), timed per phase the same way.
 
-Responses have a fixed length on both sides (stop tokens masked until ``max_new_tokens``), so
+Precision (``--dtype``) is the same on both sides: fp32, or bf16 mixed precision (ours: bf16
+parameters with fp32 main parameters in the optimizer and vLLM in bf16; TRL: ``bf16=True``,
+autocast over fp32 weights). Responses have a fixed length on both sides (stop tokens masked until ``max_new_tokens``), so
 both process the same number of tokens per step. Figures are medians over the steps after
 ``--warmup`` steps (the first steps pay for compilation and allocation). Tokens are prompt +
 response tokens of the step. Per-phase comparisons: generate, score, logprobs (reference /
@@ -69,7 +71,7 @@ def _config_path(config: str) -> Path:
     raise UsageError(f"config '{config}' not found (run from the repository root or pass --config)")
 
 
-def our_overrides(cfg, steps: int, log_dir: Path, threads: int) -> list[str]:
+def our_overrides(cfg, steps: int, log_dir: Path, threads: int, dtype: str) -> list[str]:
     """The benchmark's changes to a training config: fixed-length responses, no warm start,
     validation, samples, TensorBoard or intermediate checkpoints, all cores for the ranks."""
     world = cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
@@ -77,7 +79,7 @@ def our_overrides(cfg, steps: int, log_dir: Path, threads: int) -> list[str]:
             "checkpoint.save_every=0", "checkpoint.resume=never", "logging.samples_every=0",
             "logging.tensorboard=false", "logging.progress_bar=false", f"logging.dir={log_dir}",
             f"rollout.min_new_tokens={cfg.rollout.max_new_tokens}",
-            f"parallel.cpu_threads_per_rank={max(1, threads // world)}"]
+            f"parallel.cpu_threads_per_rank={max(1, threads // world)}", f"model.dtype={dtype}"]
 
 
 def run_ours(config: Path, overrides: list[str], log_dir: Path) -> list[dict]:
@@ -128,6 +130,7 @@ def trl_spec(cfg, model_dir: Path, out_dir: Path, steps: int, threads: int) -> d
         "clip_grad": o.clip_grad, "kl_coef": a.kl_coef,
         "loss_type": {"token_mean": "dapo", "seq_mean": "grpo"}[a.loss_aggregation],
         "clip_low": a.clip_ratio_low, "clip_high": a.clip_ratio_high,
+        "bf16": cfg.model.dtype == "bf16",
     }
 
 
@@ -167,7 +170,8 @@ def compare(ours: list[dict], trl: list[dict], warmup: int) -> dict:
     }
 
 
-def bench_size(name: str, size: Size, steps: int | None, warmup: int | None, threads: int) -> dict:
+def bench_size(name: str, size: Size, steps: int | None, warmup: int | None, threads: int,
+               dtype: str) -> dict:
     from mcore_rl.config import load_config
 
     steps = steps or size.steps
@@ -176,7 +180,7 @@ def bench_size(name: str, size: Size, steps: int | None, warmup: int | None, thr
     with tempfile.TemporaryDirectory(prefix=f"mcore-rl-bench-train-{name}-") as tmp:
         work = Path(tmp)
         base = load_config(str(config), size.overrides)
-        overrides = size.overrides + our_overrides(base, steps, work / "ours", threads)
+        overrides = size.overrides + our_overrides(base, steps, work / "ours", threads, dtype)
         cfg = load_config(str(config), overrides)
         _log(f"{name}: mcore-rl train, {steps} steps")
         ours = run_ours(config, overrides, work / "ours")
@@ -196,7 +200,7 @@ def bench_size(name: str, size: Size, steps: int | None, warmup: int | None, thr
                            "kl_coef": cfg.algorithm.kl_coef,
                            "loss_aggregation": cfg.algorithm.loss_aggregation,
                            "micro_batch_tokens": cfg.optimizer.micro_batch_tokens,
-                           "threads": threads, "warmup_steps": warmup},
+                           "threads": threads, "warmup_steps": warmup, "dtype": dtype},
               **compare(ours, trl, warmup),
               "per_step": {"ours": ours, "baseline": trl}}
     if name in TARGET_SPEEDUP:
@@ -218,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="RL steps per run (default per size)")
     parser.add_argument("--warmup", type=int, help="steps left out of the figures (default per size)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per side")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="precision of both sides: fp32, or bf16 mixed precision (ours: bf16 "
+                             "parameters with fp32 main parameters, vLLM in bf16; TRL: bf16=True)")
     parser.add_argument("--quick", action="store_true", help="quickstart size, 4 steps (for tests)")
     args = parser.parse_args(argv)
     sizes = ["quickstart"] if args.quick else [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     steps, warmup = (4, 2) if args.quick else (args.steps, args.warmup)
     if steps is not None and steps <= (warmup or 0):
         raise UsageError(f"--steps {steps} leaves nothing after --warmup {warmup}")
-    results = {name: bench_size(name, SIZES[name], steps, warmup, args.threads) for name in sizes}
+    results = {name: bench_size(name, SIZES[name], steps, warmup, args.threads, args.dtype) for name in sizes}
     write_json(args.json, rounded({"benchmark": "train", "machine": machine_info(),
                                    "baseline": "TRL GRPOTrainer (HF generate + HF training)",
                                    "results": results}))

@@ -191,7 +191,14 @@ def sync_weights(state) -> dict[str, float]:
 
         report = verify_engine_logprobs(
             state.actor, state.rollout, probe_prompts(state.vocab_size, state.cfg.reshard.verify_prompts),
-            temperature=state.cfg.rollout.temperature, tolerance=state.cfg.reshard.verify_tolerance,
+            temperature=state.cfg.rollout.temperature, tolerance=verify_tolerance(state.cfg),
             max_new_tokens=state.cfg.reshard.verify_new_tokens)
         out["sync/verify_max_abs_diff"] = report.max_abs_diff
     return out
+
+
+def verify_tolerance(cfg) -> float:
+    """``reshard.verify_tolerance``, or its default for the model's dtype."""
+    if cfg.reshard.verify_tolerance is not None:
+        return cfg.reshard.verify_tolerance
+    return 0.05 if cfg.model.dtype == "fp32" else 1.0
