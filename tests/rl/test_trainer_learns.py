@@ -35,8 +35,12 @@ def val_scores(history):
     return [h["val/score"] for h in history if "val/score" in h]
 
 
-def test_grpo_improves_the_validation_score_at_tp2(tmp_path):
-    history = shared_world(2).run(_train, BASE + ["parallel.tp=2", f"logging.dir={tmp_path}"])[0]
+LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_grpo_improves_the_validation_score(tmp_path, layout):
+    history = shared_world(2).run(_train, BASE + LAYOUTS[layout] + [f"logging.dir={tmp_path}"])[0]
     scores = val_scores(history)
     assert scores[0] <= 0.3, scores
     assert scores[-1] >= scores[0] + 0.3, scores
@@ -44,8 +48,9 @@ def test_grpo_improves_the_validation_score_at_tp2(tmp_path):
     assert len(verified) == 10 and max(verified) < 1e-3, verified
 
 
-def test_ppo_with_critic_improves_reward_at_pp2_and_first_minibatch_ratio_is_exactly_one(tmp_path):
-    overrides = BASE + ["parallel.pp=2", "algorithm.advantage_estimator=gae",
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_ppo_with_critic_improves_reward_and_first_minibatch_ratio_is_exactly_one(tmp_path, layout):
+    overrides = BASE + LAYOUTS[layout] + ["algorithm.advantage_estimator=gae",
                         "algorithm.ppo_epochs=2", "algorithm.mini_batches=2",
                         "optimizer.critic_lr=1e-3", f"logging.dir={tmp_path}"]
     history = shared_world(2).run(_train, overrides)[0]
