@@ -124,7 +124,7 @@ def trl_spec(cfg, model_dir: Path, out_dir: Path, steps: int, threads: int) -> d
         "reward": _reward_name(cfg),
         "seed": cfg.train.seed, "steps": steps, "prompts_per_step": cfg.data.prompts_per_step,
         "num_generations": r.n_samples_per_prompt, "micro_batch": micro,
-        "max_new_tokens": r.max_new_tokens, "min_new_tokens": r.max_new_tokens,
+        "max_new_tokens": r.max_new_tokens, "min_new_tokens": r.min_new_tokens,
         "temperature": r.temperature, "lr": o.lr, "weight_decay": o.weight_decay,
         "adam_beta1": o.adam_beta1, "adam_beta2": o.adam_beta2, "adam_eps": o.adam_eps,
         "clip_grad": o.clip_grad, "kl_coef": a.kl_coef,

@@ -165,9 +165,10 @@ class WeightSync:
     def from_config(cls, chunks: list, arch, cfg, *, engines: list | None = None,
                     group=None) -> "WeightSync":
         """From a `ReshardConfig` (``cfg.reshard``)."""
-        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        from mcore_rl.models.gpt import DTYPES
+
         return cls(chunks, arch, engines=engines, bucket_mb=cfg.bucket_mb,
-                   wire_dtype=dtypes.get(cfg.wire_dtype), shm_dir=cfg.shm_dir,
+                   wire_dtype=DTYPES.get(cfg.wire_dtype), shm_dir=cfg.shm_dir,
                    checksum=cfg.checksum, group=group)
 
     def close(self) -> None:

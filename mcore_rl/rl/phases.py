@@ -190,9 +190,9 @@ def sync_weights(state) -> dict[str, float]:
         from mcore_rl.reshard.verify import probe_prompts, verify_engine_logprobs
 
         report = verify_engine_logprobs(
-            state.actor, state.rollout, probe_prompts(state.vocab_size, state.cfg.reshard.verify_prompts),
+            state.actor, state.rollout, probe_prompts(state.vocab_size, r.verify_prompts),
             temperature=state.cfg.rollout.temperature, tolerance=verify_tolerance(state.cfg),
-            max_new_tokens=state.cfg.reshard.verify_new_tokens)
+            max_new_tokens=r.verify_new_tokens)
         out["sync/verify_max_abs_diff"] = report.max_abs_diff
     return out
 
