@@ -144,20 +144,21 @@ class RolloutEngine(ABC):
 
     def finish_update(self, version: int) -> None:
         """End the session: the engine now serves ``version`` (prefix cache reset)."""
-        self._finish_session()
+        self._finish_session(complete=True)
         self.reset_prefix_cache()
         self.weight_version, self._torn = version, None
 
     def abort_update(self, reason: str) -> None:
         """End a failed session; until the next successful one, refuse to generate."""
         try:
-            self._finish_session()
+            self._finish_session(complete=False)
             self.reset_prefix_cache()
         finally:
             self.weight_version, self._torn = None, reason
 
     @abstractmethod
-    def _finish_session(self) -> None: ...
+    def _finish_session(self, complete: bool) -> None:
+        """End the session; ``complete``: every bucket arrived (False when aborting)."""
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt prefixes (their KV entries came from older weights)."""

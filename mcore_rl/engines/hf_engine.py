@@ -82,5 +82,5 @@ class HFEngine(RolloutEngine):
             self.model.get_parameter(name).copy_(tensor)
         return time.perf_counter() - start
 
-    def _finish_session(self) -> None:
+    def _finish_session(self, complete: bool) -> None:
         self._buffer = None

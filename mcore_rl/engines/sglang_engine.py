@@ -79,7 +79,7 @@ class SGLangEngine(RolloutEngine):
                                                flush_cache=False)
         return time.perf_counter() - start
 
-    def _finish_session(self) -> None:
+    def _finish_session(self, complete: bool) -> None:
         self._buffer = None
         self.engine.end_weight_update()
 

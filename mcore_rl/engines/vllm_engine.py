@@ -28,6 +28,7 @@ from mcore_rl.reshard.bucket import WeightSyncError
 TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+WEIGHT_LOADING = ("auto", "layerwise")
 
 
 @contextlib.contextmanager
@@ -71,8 +72,15 @@ class VLLMEngine(RolloutEngine):
                  max_model_len: int = 1024, placement: str = "colocated",
                  cpu_bind: str | None = None, kv_cache_gib: int = 1, in_process: bool = False,
                  load_format: str = "auto", gpu_memory_utilization: float = 0.5,
-                 enforce_eager: bool = True, block_size: int | None = None):
+                 enforce_eager: bool = True, block_size: int | None = None,
+                 weight_loading: str = "auto"):
         super().__init__()
+        if weight_loading not in WEIGHT_LOADING:
+            raise ValueError(f"weight_loading={weight_loading!r}: choose one of "
+                             f"{', '.join(WEIGHT_LOADING)}")
+        self.weight_loading = weight_loading
+        """How weight-update sessions load: "auto" (straight into the live modules where the
+        model allows it, else vLLM's layerwise reload) or "layerwise" (always the latter)."""
         vllm = vllm_shim.require()
         cpu = not torch.cuda.is_available()
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
@@ -83,6 +91,7 @@ class VLLMEngine(RolloutEngine):
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.vocab_size = config["vocab_size"]
         self.tp = tp
+        self.load_mode: str | None = None  # set by each weight-update session
         before = _child_pids()
         with _engine_environment(env):
             self.llm = vllm.LLM(
@@ -125,13 +134,17 @@ class VLLMEngine(RolloutEngine):
         return [value for _, value in replies]
 
     def begin_update(self, path: str, nbytes: int, version: int) -> None:
-        self._call_workers("mcore_rl_begin_update", path, nbytes)
+        # How the workers load buckets: "direct" (straight into the live modules) or
+        # "layerwise" (vLLM's own reload steps); see `mcore_rl.engines.vllm_worker`.
+        modes = set(self._call_workers("mcore_rl_begin_update", path, nbytes,
+                                       self.weight_loading))
+        self.load_mode = modes.pop() if len(modes) == 1 else "mixed"
 
     def load_bucket(self, manifest: dict) -> float:
         return max(self._call_workers("mcore_rl_load_bucket", manifest))
 
-    def _finish_session(self) -> None:
-        self._call_workers("mcore_rl_finish_update")
+    def _finish_session(self, complete: bool) -> None:
+        self._call_workers("mcore_rl_finish_update", complete)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

@@ -7,21 +7,26 @@ to multi-process workers (tensors in its kwargs arrive as lists there); the tens
 themselves are read from the shared-memory bucket file (`mcore_rl.reshard.bucket`), which
 each worker maps once (``mcore_rl_attach_buffer``) and keeps mapped from one sync to the next.
 
-One sync is one session, the same steps as vLLM's own ``reload_weights`` but spread over
-several calls:
+One sync is one session, in one of two ways, chosen when it begins:
 
-- begin: ``initialize_layerwise_reload`` puts every layer back on the meta device and wraps
-  its weight loaders, so loading buffers a layer's weights until all of them arrived;
-- each bucket: the checksum of every piece checked first (nothing of a bad bucket is loaded),
-  then ``model.load_weights`` with HF-named views of the bucket. A layer whose weights are
-  complete is materialised, loaded, processed (the CPU backend repacks linear weights for
-  its GEMM here) and copied into the original storage inside that call. Layers still
+- **direct** (`mcore_rl.engines.vllm_direct_load`, whenever the live model has the layout
+  mcore-rl describes and unquantized weights): each bucket's checksums are checked first
+  (nothing of a bad bucket is loaded), then its tensors go straight into the live modules:
+  plain weights overwritten in place, CPU-repacked linear weights repacked by the layer's
+  own ``process_weights_after_loading`` from a view of the bucket;
+- **layerwise**, otherwise: the steps of vLLM's own ``reload_weights`` spread over several
+  calls. ``initialize_layerwise_reload`` at the start puts every layer back on the meta
+  device and wraps its weight loaders; each bucket then goes through ``model.load_weights``
+  with HF-named views of the bucket, and a layer whose weights are complete is
+  materialised, loaded, processed and copied into the original storage. Layers still
   waiting (vocabulary rows padded by vLLM are never "complete": they finish at the end)
-  would keep views of the bucket file, which the next bucket overwrites: those are copied;
-- finish: ``finalize_layerwise_reload`` processes what is left. With tied embeddings the
-  output head shares the embedding's weight but is never loaded itself, so vLLM 0.32 leaves
-  its CPU-repacked copy stale (vLLM's own ``reload_weights`` gives outdated logits for tied
-  models on CPU): its processing is run again here.
+  would keep views of the bucket file, which the next bucket overwrites: those are copied.
+  ``finalize_layerwise_reload`` at the end processes what is left.
+
+Either way, with tied embeddings the output head shares the embedding's weight but is never
+loaded itself, so vLLM 0.32 leaves its CPU-repacked copy stale (vLLM's own
+``reload_weights`` gives outdated logits for tied models on CPU): its processing is run
+again at the end.
 
 Every method returns ``("ok", value)`` or ``("error", message)`` instead of raising: when
 one of several worker processes raises inside ``collective_rpc``, vLLM's multi-process
@@ -65,13 +70,38 @@ class ReshardWorkerExtension:
         """Map the bucket file (its path is removed right after every process mapped it)."""
         self._mcore_rl_open(path, nbytes)
 
+    def _mcore_rl_direct(self):
+        """The worker's `DirectLoad`, built at the first session (None: layerwise)."""
+        if not hasattr(self, "_mcore_rl_direct_load"):
+            from vllm.distributed import (get_tensor_model_parallel_rank,
+                                          get_tensor_model_parallel_world_size)
+            from vllm.logger import init_logger
+
+            from mcore_rl.engines.vllm_direct_load import DirectLoad
+
+            direct, why = DirectLoad.build(
+                self.model_runner.get_model(), self.model_config.hf_config.to_dict(),
+                _created_shapes(self.model_runner.get_model()),
+                get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+            if direct is None:
+                init_logger(__name__).info("mcore-rl weight sync: vLLM's layerwise reload (%s)", why)
+            self._mcore_rl_direct_load = direct
+        return self._mcore_rl_direct_load
+
     @_reported
-    def mcore_rl_begin_update(self, path: str, nbytes: int) -> None:
+    def mcore_rl_begin_update(self, path: str, nbytes: int, mode: str = "auto") -> str:
+        """Start a session (``mode``: "auto" or "layerwise"); returns how it loads:
+        "direct" or "layerwise"."""
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         self._mcore_rl_buffer = self._mcore_rl_open(path, nbytes)
         self._mcore_rl_model = self.model_runner.get_model()
+        self._mcore_rl_session_direct = mode == "auto" and self._mcore_rl_direct() is not None
+        if self._mcore_rl_session_direct:
+            self._mcore_rl_direct().begin()
+            return "direct"
         initialize_layerwise_reload(self._mcore_rl_model)
+        return "layerwise"
 
     @_reported
     def mcore_rl_load_bucket(self, manifest: dict) -> float:
@@ -80,23 +110,31 @@ class ReshardWorkerExtension:
         buffer = self._mcore_rl_buffer
         check_manifest(buffer, manifest)
         with torch.no_grad():
-            self._mcore_rl_model.load_weights(iter(read_tensors(buffer, manifest)))
-            _detach_pending_from(self._mcore_rl_model, buffer)
+            if self._mcore_rl_session_direct:
+                self._mcore_rl_direct().load(dict(read_tensors(buffer, manifest)), buffer)
+            else:
+                self._mcore_rl_model.load_weights(iter(read_tensors(buffer, manifest)))
+                _detach_pending_from(self._mcore_rl_model, buffer)
         return time.perf_counter() - start
 
     @_reported
-    def mcore_rl_finish_update(self) -> None:
-        """Process what is pending and drop the bucket mapping (also after a failed sync)."""
+    def mcore_rl_finish_update(self, complete: bool = True) -> None:
+        """End the session (``complete``: False when it is aborted) and drop the bucket."""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         model = getattr(self, "_mcore_rl_model", None)
-        if model is not None:
-            with torch.no_grad():
-                finalize_layerwise_reload(model, self.model_config)
-                _refresh_tied_head(model)
-            self.model_runner.reset_lora_state()
         self._mcore_rl_buffer = None
         self._mcore_rl_model = None
+        if model is None:
+            return
+        direct = self._mcore_rl_session_direct
+        with torch.no_grad():
+            if not direct:
+                finalize_layerwise_reload(model, self.model_config)
+            _refresh_tied_head(model)
+        self.model_runner.reset_lora_state()
+        if direct and complete:
+            self._mcore_rl_direct().finish()
 
     @_reported
     def mcore_rl_release_buffer(self) -> None:
@@ -115,17 +153,20 @@ class ReshardWorkerExtension:
     def mcore_rl_param_shapes(self) -> dict[str, list[int]]:
         """Every parameter of this worker's model with its shape as created (before the CPU
         backend repacks linear weights to shape (0,)), to check the engine parameter plan."""
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        return _created_shapes(self.model_runner.get_model())
 
-        model = self.model_runner.get_model()
-        shapes = {name: list(p.shape) for name, p in model.named_parameters()}
-        for module_name, module in model.named_modules():
-            params, _ = get_layerwise_info(module).restore_metadata
-            for name, meta in params.items():  # biases are never put on meta: live shape
-                full = f"{module_name}.{name}" if module_name else name
-                if full in shapes:  # a tied head's weight is the embedding's (listed once)
-                    shapes[full] = list(meta.shape)
-        return shapes
+
+def _created_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    for module_name, module in model.named_modules():
+        params, _ = get_layerwise_info(module).restore_metadata
+        for name, meta in params.items():  # biases are never put on meta: live shape
+            full = f"{module_name}.{name}" if module_name else name
+            if full in shapes:  # a tied head's weight is the embedding's (listed once)
+                shapes[full] = list(meta.shape)
+    return shapes
 
 
 def _detach_pending_from(model: torch.nn.Module, buffer: torch.Tensor) -> None:

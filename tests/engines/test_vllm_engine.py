@@ -106,14 +106,34 @@ def test_changing_top_p_or_top_k_warns_that_the_distribution_is_truncated():
         SamplingConfig(top_k=20)
 
 
-def test_update_weights_in_buckets_then_greedy_equals_hf_of_those_weights(engine, dirs, original_weights):
+@pytest.mark.parametrize("loading,mode", [("auto", "direct"), ("layerwise", "layerwise")])
+def test_update_weights_in_buckets_then_greedy_equals_hf_of_those_weights(engine, dirs, original_weights,
+                                                                          loading, mode):
     assert engine.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6)).samples[0].token_ids \
         == hf_greedy(dirs[0])[0]
     tensors = load_file(f"{dirs[1]}/model.safetensors")
-    engine.update_weights(tensors.items(), version=5, bucket_mb=0.05)  # many buckets
+    engine.weight_loading = loading
+    try:
+        engine.update_weights(tensors.items(), version=5, bucket_mb=0.05)  # many buckets
+    finally:
+        engine.weight_loading = "auto"
+    assert engine.load_mode == mode
     after = engine.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6))
     assert [s.token_ids for s in after] == hf_greedy(dirs[1])
     assert {s.weight_version for s in after} == {5}
+
+
+def test_a_direct_update_leaves_the_same_logits_as_vllms_own_reload(engine, dirs, original_weights):
+    """Both ways of loading give bit-identical log-probs (the same repacked kernels)."""
+    tensors = load_file(f"{dirs[2]}/model.safetensors")
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=6, seed=3)
+    engine.update_weights(tensors.items(), version=1, bucket_mb=0.05)
+    assert engine.load_mode == "direct"
+    direct = engine.generate(PROMPTS, sampling)
+    engine.load_weights_from_dir(dirs[2], version=2)
+    reloaded = engine.generate(PROMPTS, sampling)
+    assert [s.token_ids for s in direct] == [s.token_ids for s in reloaded]
+    assert [s.logprobs for s in direct] == [s.logprobs for s in reloaded]
 
 
 def test_reloading_a_tied_model_from_a_directory_refreshes_the_output_head(engine, dirs, original_weights):

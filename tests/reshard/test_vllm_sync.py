@@ -149,6 +149,7 @@ def _step_and_sync(rank, world_size, variant, hf_dir, pid_file, layout, work):
         return {"before": [[s.token_ids for s in r] for r in before],
                 "after": [[s.token_ids for s in r] for r in after],
                 "versions": [{s.weight_version for s in r} for r in after], "reports": reports,
+                "modes": [e.load_mode for e in engines],
                 "buckets": stats.buckets, "exported": f"{work}/hf"}
     finally:
         destroy_parallel()
@@ -169,6 +170,7 @@ def test_after_a_step_vllm_greedy_equals_hf_greedy_of_the_exported_weights(world
             assert result["after"][i] == exported, where
             assert result["after"][i] != result["before"][i], f"{where}: greedy tokens must change"
             assert result["versions"][i] == {2}
+            assert result["modes"][i] == "direct", where
             report = result["reports"][i]
             assert report.tokens >= 16 and report.max_abs_diff <= LOGPROB_TOL, (where, report)
 
