@@ -5,8 +5,11 @@ and PP2 with one process per rank; ``--quick``: TP1), vLLM at engine TP1, fp32 o
 in the same run (the two paths alternate, so both see the same machine load):
 
 - **ours**: `WeightSync.sync` (shared-memory buckets of ``--bucket-mb``, checksums, one
-  engine update session), split into *transfer* (trainer ranks writing and checksumming
-  their pieces) and *apply* (the engine checking and loading buckets, finishing the session);
+  engine update session). The whole sync is timed as configured by default (writers fill
+  bucket k+1 while the engine loads bucket k); its split into *transfer* (trainer ranks
+  writing and checksumming their pieces) and *apply* (the engine checking and loading
+  buckets, finishing the session) comes from syncs run one bucket at a time
+  (``reshard.overlap=False``), where the two do not share the cores;
 - **naive**: the trainer gathers the model to rank 0 as HF tensors (`gather_hf_tensors`),
   writes an HF checkpoint to disk (``save_file``, as ``save_pretrained`` does) and the running
   engine reloads it from there (vLLM's in-place reload from a directory), split the same way.
@@ -194,24 +197,30 @@ def _measure(rank, world_size, hf_dir: str, layout: tuple[int, int], bucket_mb: 
                        "file_bytes": sync.plan.file_nbytes,
                        "largest_tensor_bytes": max(t.nbytes for b in sync.plan.buckets
                                                    for t in b.tensors)}
-        if "time" in what:  # alternating, so that both paths see the same machine load
-            ours, naive = [], []
+        if "time" in what:  # alternating, so that every path sees the same machine load
+            ours, alone, naive = [], [], []
             for v in range(repeats + 1):
-                ours.append(sync.sync(version=2 * v))
+                ours.append(sync.sync(version=3 * v))  # as configured by default: overlapped
+                sync.overlap = False  # one bucket at a time: transfer and apply apart
+                alone.append(sync.sync(version=3 * v + 1))
+                sync.overlap = True
                 if rank == 0:
                     shutil.rmtree(disk, ignore_errors=True)
-                naive.append(_naive_sync(sync, hf_dir, engine, disk, version=2 * v + 1))
-            ours, naive = ours[1:], naive[1:]  # the first round warms both up
+                naive.append(_naive_sync(sync, hf_dir, engine, disk, version=3 * v + 2))
+            ours, alone, naive = ours[1:], alone[1:], naive[1:]  # the first round warms up
             if rank == 0:
                 reads = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     load_file(str(disk / "model.safetensors"))
                     reads.append(time.perf_counter() - t0)
-                out["ours"] = {k: statistics.median(getattr(s, k) for s in ours)
-                               for k in ("transfer_s", "apply_s", "total_s")}
+                out["ours"] = {"total_s": statistics.median(s.total_s for s in ours),
+                               **{k: statistics.median(getattr(s, k) for s in alone)
+                                  for k in ("transfer_s", "apply_s")},
+                               "one_at_a_time_total_s": statistics.median(s.total_s for s in alone)}
                 out["naive"] = {k: statistics.median(n[k] for n in naive) for k in naive[0]}
                 out["naive"]["read_s"] = statistics.median(reads)
+                out["load_mode"] = engine.load_mode
         sync.close()
     finally:
         if engine is not None:
@@ -330,7 +339,9 @@ def _comparisons(name: str, r: dict, bucket_mb: float) -> dict:
     transfer.update(baseline_is="disk write + read", target_speedup=5.0)
     sync = time_comparison(ours["total_s"], naive["total_s"])
     sync.update(ours_transfer_s=ours["transfer_s"], ours_apply_s=ours["apply_s"],
-                naive_write_s=naive["write_s"], naive_apply_s=naive["apply_s"], target_speedup=2.0)
+                ours_one_bucket_at_a_time_s=ours["one_at_a_time_total_s"],
+                naive_write_s=naive["write_s"], naive_apply_s=naive["apply_s"], target_speedup=2.0,
+                engine_load_mode=r["load_mode"])
     return {f"{name}_sync_time": sync,
             f"{name}_transfer_time": transfer,
             f"{name}_apply_time": time_comparison(ours["apply_s"], naive["apply_s"]),

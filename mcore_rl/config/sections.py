@@ -106,6 +106,12 @@ class ReshardConfig:
     """Per-piece checksum checked by the engine before loading a bucket: sum64 (two 64-bit
     word sums, ~20 GB/s on CPU, catches any corrupted word or misplaced block) or crc32
     (zlib, ~4 GB/s)."""
+    overlap: bool = True
+    """Trainer ranks write bucket k+1 while the engine loads bucket k (False: one bucket at a
+    time; the transfer and the engine's loading then never compete for cores)."""
+    writer_threads: int | None = None
+    """Threads each trainer rank copies its pieces with; None: the rank's share of the
+    machine's cores (cores / ranks on the node) beyond its torch intra-op threads."""
     verify: bool = True
     """After each sync, compare engine and trainer log-probs on a fixed probe batch and fail
     above verify_tolerance."""

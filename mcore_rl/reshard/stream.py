@@ -10,7 +10,8 @@ write. One sync is one engine update session:
    lives as long as its mappings: allocating tmpfs pages costs more than copying into them,
    ~0.7 s per GB here, so the file is reused by every sync until `close`);
 2. per bucket k: each writer copies its pieces straight from its parameters into the file
-   (casting to the wire dtype; the list of copies is built once per bucket), checksums each
+   (casting to the wire dtype; the list of copies is built once per bucket and shared out
+   among ``writer_threads`` threads, `default_writer_threads`), checksums each
    piece right after copying it, while it is still in cache (`copy_and_checksum`), and
    sends the checksums to the controller
    (``gather_object``, a few hundred bytes). The controller waits until the engines have
@@ -44,7 +45,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -87,6 +88,14 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
+def default_writer_threads(group=None) -> int:
+    """Threads each trainer rank copies with during a sync: its share of this machine's cores
+    (the trainer computes nothing meanwhile) beyond those torch's own intra-op threads use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(group)))
+    return max(1, cores // max(1, local) // max(1, torch.get_num_threads()))
+
+
 def local_holdings(chunks: list, rank: int) -> tuple[list[Holding], dict[tuple, torch.Tensor]]:
     """What this rank holds (per Megatron's sharded state dict) and views of those tensors."""
     from megatron.core.dist_checkpointing.mapping import is_main_replica
@@ -125,8 +134,13 @@ class WeightSync:
 
     def __init__(self, chunks: list, arch, *, engines: list | None = None, bucket_mb: float = 256.0,
                  wire_dtype: torch.dtype | None = None, shm_dir: str = "/dev/shm",
-                 checksum: str = "sum64", controller: int = 0, group=None):
+                 checksum: str = "sum64", overlap: bool = True, writer_threads: int | None = None,
+                 controller: int = 0, group=None):
         self.chunks = chunks
+        self.overlap = overlap
+        self.writer_threads = writer_threads or default_writer_threads(group)
+        self._writer_pool = (ThreadPoolExecutor(self.writer_threads - 1, thread_name_prefix="reshard-write")
+                             if self.writer_threads > 1 else None)
         self.rank = dist.get_rank()
         self.controller = controller
         self.group = group
@@ -169,11 +183,15 @@ class WeightSync:
 
         return cls(chunks, arch, engines=engines, bucket_mb=cfg.bucket_mb,
                    wire_dtype=DTYPES.get(cfg.wire_dtype), shm_dir=cfg.shm_dir,
-                   checksum=cfg.checksum, group=group)
+                   checksum=cfg.checksum, overlap=cfg.overlap,
+                   writer_threads=cfg.writer_threads, group=group)
 
     def close(self) -> None:
         """Free the bucket file: every process unmaps it. Collective."""
         self.buffer, self._write_cache = None, None
+        if self._writer_pool is not None:
+            self._writer_pool.shutdown(wait=True)
+            self._writer_pool = None
         if self.rank == self.controller:
             for engine in self.engines:
                 engine.release_update_buffer()
@@ -270,9 +288,10 @@ class WeightSync:
         stats.per_bucket_apply_s.append(elapsed)
         return None
 
-    def _writes(self, k: int, buffer: torch.Tensor, views: dict) -> list:
-        """(tensor index, piece index, destination view, source view) of this rank's pieces
-        of bucket k; built once per bucket and kept while ``views`` stays the same."""
+    def _writes(self, k: int, buffer: torch.Tensor, views: dict) -> list[list]:
+        """This rank's pieces of bucket k as (tensor index, piece index, destination view,
+        source view), split into one list per writer thread with about equal bytes; built
+        once per bucket and kept while ``views`` stays the same."""
         cache = getattr(self, "_write_cache", None)
         if cache is None or cache[0] is not views or cache[1] is not buffer:
             cache = self._write_cache = (views, buffer, {})
@@ -286,8 +305,22 @@ class WeightSync:
                         dst = piece_view(buffer, p.offset, nbytes, dtype, p.shape)
                         src = piece_source(p, views)
                         writes.append((ti, pi, dst.view(src.shape), src))
-            cache[2][k] = writes
+            shares: list[list] = [[] for _ in range(self.writer_threads)]
+            load = [0] * len(shares)
+            for w in sorted(writes, key=lambda w: -w[2].numel()):  # largest first, to the least loaded
+                i = load.index(min(load))
+                shares[i].append(w)
+                load[i] += w[2].numel()
+            cache[2][k] = [share for share in shares if share]
         return cache[2][k]
+
+    def _write(self, share: list) -> dict:
+        """Copy and checksum one writer thread's share of a bucket."""
+        # Plain tensor ops: no autograd, no torch-function handlers (e.g. a mode that redirects
+        # Megatron's CUDA calls) between this loop and the copies it runs (both per thread).
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            return {(ti, pi): copy_and_checksum(dst, src, self.checksum)
+                    for ti, pi, dst, src in share}
 
     def _one_bucket(self, k: int, buffer: torch.Tensor, views: dict, version: int,
                     stats: SyncStats, hook: BucketHook | None, loader, loading: Future | None):
@@ -295,11 +328,14 @@ class WeightSync:
         t0 = time.perf_counter()
         mine, failure = {}, None
         try:
-            # Plain tensor ops: no torch-function handlers (e.g. a mode that redirects
-            # Megatron's CUDA calls) between this loop and the copies it runs.
-            with torch._C.DisableTorchFunction():
-                for ti, pi, dst, src in self._writes(k, buffer, views):
-                    mine[(ti, pi)] = copy_and_checksum(dst, src, self.checksum)
+            first, *rest = self._writes(k, buffer, views) or [[]]
+            others = [self._writer_pool.submit(self._write, share) for share in rest]
+            try:
+                mine.update(self._write(first))
+            finally:
+                wait(others)  # no thread still writing once the bucket is reported
+            for done in others:
+                mine.update(done.result())
         except Exception as err:  # noqa: BLE001 - reported through the controller
             failure = f"rank {self.rank} writing bucket {k + 1}: {err!r}"
         gathered = [None] * dist.get_world_size(self.group) if self.rank == self.controller else None
@@ -319,5 +355,8 @@ class WeightSync:
                 if hook is not None:
                     hook(k, buffer, manifest)
                 loading = loader.submit(self._load, manifest)
+                if not self.overlap:  # bucket k is loaded before anyone writes k+1
+                    error = self._wait(loading, version, k + 1, stats)
+                    loading = None
         self._verdict(error)
         return loading
