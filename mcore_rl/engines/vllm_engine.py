@@ -92,6 +92,8 @@ class VLLMEngine(RolloutEngine):
         self.vocab_size = config["vocab_size"]
         self.tp = tp
         self.load_mode: str | None = None  # set by each weight-update session
+        self._pending_begin: list | None = None  # a session's start, sent with its first bucket
+        self._ended = False  # the last bucket's call also ended the session
         before = _child_pids()
         with _engine_environment(env):
             self.llm = vllm.LLM(
@@ -134,17 +136,32 @@ class VLLMEngine(RolloutEngine):
         return [value for _, value in replies]
 
     def begin_update(self, path: str, nbytes: int, version: int) -> None:
-        # How the workers load buckets: "direct" (straight into the live modules) or
-        # "layerwise" (vLLM's own reload steps); see `mcore_rl.engines.vllm_worker`.
-        modes = set(self._call_workers("mcore_rl_begin_update", path, nbytes,
-                                       self.weight_loading))
-        self.load_mode = modes.pop() if len(modes) == 1 else "mixed"
+        # Sent along with the first bucket, and the end of the session with the last one:
+        # two round trips to the engine fewer per sync.
+        self._pending_begin = [path, nbytes, self.weight_loading]
 
     def load_bucket(self, manifest: dict) -> float:
-        return max(self._call_workers("mcore_rl_load_bucket", manifest))
+        begin, self._pending_begin = self._pending_begin, None
+        last = manifest["bucket"] == manifest["num_buckets"] - 1
+        replies = self._call_workers("mcore_rl_load_bucket", manifest, begin, last)
+        if begin is not None:
+            # "direct" (straight into the live modules) or "layerwise" (vLLM's own reload
+            # steps); see `mcore_rl.engines.vllm_worker`.
+            modes = {mode for _, mode in replies}
+            self.load_mode = modes.pop() if len(modes) == 1 else "mixed"
+        self._ended = last
+        return max(seconds for seconds, _ in replies)
 
     def _finish_session(self, complete: bool) -> None:
-        self._call_workers("mcore_rl_finish_update", complete)
+        begin, self._pending_begin = self._pending_begin, None
+        ended, self._ended = self._ended, False
+        if begin is not None:  # no bucket was sent: the workers never started a session
+            if complete:
+                self._call_workers("mcore_rl_begin_update", *begin)
+                self._call_workers("mcore_rl_finish_update", True)
+            return
+        if not (complete and ended):
+            self._call_workers("mcore_rl_finish_update", complete)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

@@ -92,6 +92,34 @@ class ReshardWorkerExtension:
     def mcore_rl_begin_update(self, path: str, nbytes: int, mode: str = "auto") -> str:
         """Start a session (``mode``: "auto" or "layerwise"); returns how it loads:
         "direct" or "layerwise"."""
+        return self._mcore_rl_begin(path, nbytes, mode)
+
+    @_reported
+    def mcore_rl_load_bucket(self, manifest: dict, begin: list | None = None,
+                             finish: bool = False) -> tuple[float, str | None]:
+        """Check and load one bucket; ``begin``: the arguments of `mcore_rl_begin_update`
+        for a session that starts with this bucket; ``finish``: it is the last one. Returns
+        the seconds spent (checksums included) and, with ``begin``, how the session loads."""
+        start = time.perf_counter()
+        mode = self._mcore_rl_begin(*begin) if begin is not None else None
+        buffer = self._mcore_rl_buffer
+        check_manifest(buffer, manifest)
+        with torch.no_grad():
+            if self._mcore_rl_session_direct:
+                self._mcore_rl_direct().load(dict(read_tensors(buffer, manifest)), buffer)
+            else:
+                self._mcore_rl_model.load_weights(iter(read_tensors(buffer, manifest)))
+                _detach_pending_from(self._mcore_rl_model, buffer)
+        if finish:
+            self._mcore_rl_finish(complete=True)
+        return time.perf_counter() - start, mode
+
+    @_reported
+    def mcore_rl_finish_update(self, complete: bool = True) -> None:
+        """End the session (``complete``: False when it is aborted) and drop the bucket."""
+        self._mcore_rl_finish(complete)
+
+    def _mcore_rl_begin(self, path: str, nbytes: int, mode: str) -> str:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         self._mcore_rl_buffer = self._mcore_rl_open(path, nbytes)
@@ -103,29 +131,13 @@ class ReshardWorkerExtension:
         initialize_layerwise_reload(self._mcore_rl_model)
         return "layerwise"
 
-    @_reported
-    def mcore_rl_load_bucket(self, manifest: dict) -> float:
-        """Check and load one bucket; seconds spent (checksums included)."""
-        start = time.perf_counter()
-        buffer = self._mcore_rl_buffer
-        check_manifest(buffer, manifest)
-        with torch.no_grad():
-            if self._mcore_rl_session_direct:
-                self._mcore_rl_direct().load(dict(read_tensors(buffer, manifest)), buffer)
-            else:
-                self._mcore_rl_model.load_weights(iter(read_tensors(buffer, manifest)))
-                _detach_pending_from(self._mcore_rl_model, buffer)
-        return time.perf_counter() - start
-
-    @_reported
-    def mcore_rl_finish_update(self, complete: bool = True) -> None:
-        """End the session (``complete``: False when it is aborted) and drop the bucket."""
+    def _mcore_rl_finish(self, complete: bool) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         model = getattr(self, "_mcore_rl_model", None)
         self._mcore_rl_buffer = None
         self._mcore_rl_model = None
-        if model is None:
+        if model is None:  # no session, or it already ended
             return
         direct = self._mcore_rl_session_direct
         with torch.no_grad():

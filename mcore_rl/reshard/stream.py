@@ -142,6 +142,7 @@ class WeightSync:
         self._writer_pool = (ThreadPoolExecutor(self.writer_threads - 1, thread_name_prefix="reshard-write")
                              if self.writer_threads > 1 else None)
         self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size(group)
         self.controller = controller
         self.group = group
         self.engines = list(engines or [])
@@ -213,10 +214,26 @@ class WeightSync:
 
     # ----- collective helpers -------------------------------------------------------
     def _verdict(self, error: str | None) -> None:
-        box = [error]
-        dist.broadcast_object_list(box, src=self.controller, group=self.group)
-        if box[0] is not None:
-            raise WeightSyncError(box[0])
+        """The controller's ``error`` (None: carry on) raised on every rank: a one-byte
+        broadcast, and the message itself only when there is one."""
+        if self.world_size > 1:
+            failed = torch.tensor([error is not None], dtype=torch.uint8)
+            dist.broadcast(failed, src=self.controller, group=self.group)
+            if not failed.item():
+                return
+            box = [error]
+            dist.broadcast_object_list(box, src=self.controller, group=self.group)
+            error = box[0]
+        if error is not None:
+            raise WeightSyncError(error)
+
+    def _gather_to_controller(self, item) -> list | None:
+        """Every rank's ``item``, on the controller (None elsewhere)."""
+        if self.world_size == 1:
+            return [item]
+        gathered = [None] * self.world_size if self.rank == self.controller else None
+        dist.gather_object(item, gathered, dst=self.controller, group=self.group)
+        return gathered
 
     def _abort(self, version: int, what: str) -> str:
         message = (f"weight sync to version {version} failed at {what}; the engine holds a mix "
@@ -338,8 +355,7 @@ class WeightSync:
                 mine.update(done.result())
         except Exception as err:  # noqa: BLE001 - reported through the controller
             failure = f"rank {self.rank} writing bucket {k + 1}: {err!r}"
-        gathered = [None] * dist.get_world_size(self.group) if self.rank == self.controller else None
-        dist.gather_object((mine, failure), gathered, dst=self.controller, group=self.group)
+        gathered = self._gather_to_controller((mine, failure))
         error = None
         if self.rank == self.controller:
             stats.transfer_s += time.perf_counter() - t0
