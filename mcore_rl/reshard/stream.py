@@ -57,6 +57,8 @@ from mcore_rl.reshard.bucket import (WeightSyncError, copy_and_checksum, create_
                                      map_bucket_file, piece_view, remove_bucket_file)
 from mcore_rl.reshard.plan import Holding, Piece, ReshardPlan
 
+_THREADED_ABOVE = 8 * 2**20  # smaller buckets are written by one thread: handing out costs more
+
 # (bucket index, mapped bucket [nbytes] uint8, manifest) -> None; called by the controller
 # after the writers' checksums are in and before the engines read the bucket (tests).
 BucketHook = Callable[[int, torch.Tensor, dict], None]
@@ -139,7 +141,9 @@ class WeightSync:
         self.chunks = chunks
         self.overlap = overlap
         self.writer_threads = writer_threads or default_writer_threads(group)
-        self._writer_pool = (ThreadPoolExecutor(self.writer_threads - 1, thread_name_prefix="reshard-write")
+        # With several writers, all of them are pool threads and this one waits, holding no
+        # GIL: a writer running here would keep the others waiting for it between copies.
+        self._writer_pool = (ThreadPoolExecutor(self.writer_threads, thread_name_prefix="reshard-write")
                              if self.writer_threads > 1 else None)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(group)
@@ -345,14 +349,16 @@ class WeightSync:
         t0 = time.perf_counter()
         mine, failure = {}, None
         try:
-            first, *rest = self._writes(k, buffer, views) or [[]]
-            others = [self._writer_pool.submit(self._write, share) for share in rest]
-            try:
-                mine.update(self._write(first))
-            finally:
-                wait(others)  # no thread still writing once the bucket is reported
-            for done in others:
-                mine.update(done.result())
+            shares = self._writes(k, buffer, views)
+            nbytes = sum(dst.numel() * dst.element_size() for share in shares for _, _, dst, _ in share)
+            if self._writer_pool is None or len(shares) < 2 or nbytes < _THREADED_ABOVE:
+                for share in shares:
+                    mine.update(self._write(share))
+            else:
+                jobs = [self._writer_pool.submit(self._write, share) for share in shares]
+                wait(jobs)  # every job ended (no thread still writing) before any is read
+                for job in jobs:
+                    mine.update(job.result())
         except Exception as err:  # noqa: BLE001 - reported through the controller
             failure = f"rank {self.rank} writing bucket {k + 1}: {err!r}"
         gathered = self._gather_to_controller((mine, failure))
