@@ -13,11 +13,13 @@ in the same run (the two paths alternate, so both see the same machine load):
 - **naive**: the trainer gathers the model to rank 0 as HF tensors (`gather_hf_tensors`),
   writes an HF checkpoint to disk (``save_file``, as ``save_pretrained`` does) and the running
   engine reloads it from there (vLLM's in-place reload from a directory), split the same way.
-  *Disk write+read* is gather and write plus reading the checkpoint back (``load_file``):
-  the transfer that the naive path pays. (``/tmp`` here is a disk, but with 24 GB of RAM the
+  *Disk write+read* is gather and write plus reading the checkpoint's bytes back (into a
+  buffer allocated beforehand; ``load_file`` alone maps the file and reads nothing): the
+  transfer that the naive path pays. (``/tmp`` here is a disk, but with 24 GB of RAM the
   page cache absorbs a 0.5 GB write: the naive path never waits for the disk itself.)
 
-Times are medians over ``--repeats`` syncs after one warm-up. Peak extra memory, each path
+Times are medians over ``--repeats`` syncs after ``--warmup`` rounds (the naive path needs
+a few to reach its steady state: its first writes run ~2x slower). Peak extra memory, each path
 in a fresh set of processes (``--quick``: both in one), is the largest rise during the first
 sync (for ours: creating the `WeightSync`, which allocates the bucket file, and one sync) of
 (a) the *transport*: the bucket file plus the rise of the trainer ranks' anonymous memory
@@ -155,13 +157,20 @@ def _memory(rank: int, pids: list[int], run) -> dict | None:
     return box[0]
 
 
+def _read_s(path: Path) -> float:
+    """Seconds to read ``path``'s bytes into memory allocated (and touched) beforehand."""
+    buffer = bytearray(path.stat().st_size)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        f.readinto(memoryview(buffer))
+    return time.perf_counter() - t0
+
+
 def _measure(rank, world_size, hf_dir: str, layout: tuple[int, int], bucket_mb: float,
-             repeats: int, what: list[str], scratch: str) -> dict:
+             repeats: int, what: list[str], scratch: str, warmup: int = 1) -> dict:
     """Trainer at ``layout`` (tp, pp; rank 0 holds the engine), then measure ``what``:
     time, mem_ours, mem_naive."""
     import torch.distributed as dist
-    from safetensors.torch import load_file
-
     from mcore_rl.engines.vllm_engine import VLLMEngine
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
@@ -199,7 +208,7 @@ def _measure(rank, world_size, hf_dir: str, layout: tuple[int, int], bucket_mb: 
                                                    for t in b.tensors)}
         if "time" in what:  # alternating, so that every path sees the same machine load
             ours, alone, naive = [], [], []
-            for v in range(repeats + 1):
+            for v in range(repeats + warmup):
                 ours.append(sync.sync(version=3 * v))  # as configured by default: overlapped
                 sync.overlap = False  # one bucket at a time: transfer and apply apart
                 alone.append(sync.sync(version=3 * v + 1))
@@ -207,13 +216,9 @@ def _measure(rank, world_size, hf_dir: str, layout: tuple[int, int], bucket_mb: 
                 if rank == 0:
                     shutil.rmtree(disk, ignore_errors=True)
                 naive.append(_naive_sync(sync, hf_dir, engine, disk, version=3 * v + 2))
-            ours, alone, naive = ours[1:], alone[1:], naive[1:]  # the first round warms up
+            ours, alone, naive = ours[warmup:], alone[warmup:], naive[warmup:]
             if rank == 0:
-                reads = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    load_file(str(disk / "model.safetensors"))
-                    reads.append(time.perf_counter() - t0)
+                reads = [_read_s(disk / "model.safetensors") for _ in range(repeats)]
                 out["ours"] = {"total_s": statistics.median(s.total_s for s in ours),
                                **{k: statistics.median(getattr(s, k) for s in alone)
                                   for k in ("transfer_s", "apply_s")},
@@ -233,13 +238,14 @@ LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 
 
 def _fresh(hf_dir: str, layout: str, bucket_mb: float, repeats: int, what: list[str],
-           threads: int) -> dict:
+           threads: int, warmup: int = 1) -> dict:
     from mcore_rl.parallel.local_world import SharedWorld
 
     tp, pp = LAYOUTS[layout]
     with tempfile.TemporaryDirectory(prefix="bench_reshard_") as scratch, \
             SharedWorld(tp * pp, threads_per_rank=threads, timeout_s=1800) as world:
-        return world.run(_measure, hf_dir, (tp, pp), bucket_mb, repeats, what, scratch)[0]
+        return world.run(_measure, hf_dir, (tp, pp), bucket_mb, repeats, what, scratch,
+                         warmup)[0]
 
 
 # ----- placement: the engine in processes of its own vs inside the trainer process ---------
@@ -361,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny model only, one repeat, memory of both paths in one process")
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="bucket budget in MiB (default 256, as reshard.bucket_mb; --quick 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed syncs per path (default 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed syncs per path (default 5)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed rounds of every path first (default 3; --quick 1)")
     parser.add_argument("--placement", action="store_true",
                         help="also time the engine in its own processes vs inside the trainer")
     parser.add_argument("--layouts", default=None,
@@ -371,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads of the trainer process (the engine gets all cores)")
     args = parser.parse_args(argv)
     bucket_mb = args.bucket_mb or (1.0 if args.quick else 256.0)
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick else 5)
+    warmup = args.warmup or (1 if args.quick else 3)
     threads = args.trainer_threads
     layouts = (args.layouts or ("tp1" if args.quick else "tp1,pp2")).split(",")
     results, models = {}, {}
@@ -382,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"{name}: trainer {layout.upper()} -> vLLM TP1, bucket budget {bucket_mb} MiB")
             if args.quick:
                 r = _fresh(hf_dir, layout, bucket_mb, repeats,
-                           ["time", "mem_ours", "mem_naive"], threads)
+                           ["time", "mem_ours", "mem_naive"], threads, warmup)
             else:
-                r = _fresh(hf_dir, layout, bucket_mb, repeats, ["time"], threads)
+                r = _fresh(hf_dir, layout, bucket_mb, repeats, ["time"], threads, warmup)
                 _log(f"{key}: memory of our sync (fresh processes)")
                 r["mem_ours"] = _fresh(hf_dir, layout, bucket_mb, 0, ["mem_ours"],
                                        threads)["mem_ours"]
@@ -400,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             results.update(_placement_comparisons(placement))
             models["placement"] = {"model": name, **placement}
     meta = {"machine": machine_info(), "bucket_mb": bucket_mb, "repeats": repeats,
+            "warmup": warmup,
             "trainer_threads": threads, "checksum": "sum64",
             "engine": "vLLM TP1, fp32 (trainer fp32)", "trainer_layouts": layouts,
             "models": models,

@@ -26,19 +26,22 @@ every engine (``abort_update``: the engine marks itself as holding mixed weight 
 and refuses to generate) and raises `WeightSyncError` with the same message on every
 rank, so no rank hangs in a collective and no engine is left half-updated silently.
 
-Overlapping writes and loads hides the shorter of the two where writer and engine have
-cores of their own; on 2 shared cores they also compete for them. Measured (``mcore-rl
-bench reshard``, SmolLM2-135M fp32 into vLLM on CPU, 2 cores shared with other work): 0.46 s
-per sync at trainer TP1 (transfer 0.13 s) against 0.80 s for writing an HF checkpoint and
-reloading it (disk write+read 0.44 s); at PP2 the transfer takes 0.16 s against 1.25 s for
-gathering to one rank and writing; the engine's own loading (vLLM's layerwise processing,
-the same in both paths) is most of the rest. Engine and trainer log-probs then agree to 5e-6.
+Overlapping writes and loads (``reshard.overlap``, default on) hides the shorter of the two
+where writer and engine have cores of their own; on 2 shared cores they also compete for
+them, and the overlap saves only ~4%. Measured (``mcore-rl bench reshard``, SmolLM2-135M
+fp32, 0.54 GB, into vLLM on CPU, 2 cores): a sync takes 0.33-0.35 s. The transfer (two
+writer threads at trainer TP1) takes 0.09-0.11 s; the engine's loading 0.21-0.26 s, of
+which ~0.17 s is the CPU backend repacking linear weights, which any load pays
+(`mcore_rl.engines.vllm_direct_load`). The naive path (gather, write an HF checkpoint,
+let vLLM reload it) takes 0.6-1.2 s: its write alone runs at 0.20-0.24 s or at ~0.44 s
+from one run to the next on this machine, and vLLM's reload takes 0.37-0.41 s. Engine and
+trainer log-probs then agree to 5e-6.
 
 Memory: the bucket file holds two buckets of at most ``bucket_mb / 2`` each (an engine
 module larger than that, typically the embedding, gets a bucket of its own), so it is at
 most max(bucket_mb, largest tensor + bucket_mb / 2): within one bucket budget plus the
-largest tensor. The engine adds what its own loading costs (vLLM materialises and processes
-one layer at a time, as its own reload does).
+largest tensor. The engine adds what its loading costs: with vLLM, the repacked copy of one
+module at a time (and, at engine TP > 1, one fused parameter gathered from its pieces).
 """
 from __future__ import annotations
 
