@@ -161,8 +161,13 @@ def _read_s(path: Path) -> float:
     """Seconds to read ``path``'s bytes into memory allocated (and touched) beforehand."""
     buffer = bytearray(path.stat().st_size)
     t0 = time.perf_counter()
+    view, at = memoryview(buffer), 0
     with open(path, "rb", buffering=0) as f:
-        f.readinto(memoryview(buffer))
+        while at < len(buffer):  # one read returns at most ~2 GiB
+            n = f.readinto(view[at:])
+            if not n:
+                break
+            at += n
     return time.perf_counter() - t0
 
 
@@ -380,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bucket_mb = args.bucket_mb or (1.0 if args.quick else 256.0)
     repeats = args.repeats or (1 if args.quick else 5)
-    warmup = args.warmup or (1 if args.quick else 3)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     threads = args.trainer_threads
     layouts = (args.layouts or ("tp1" if args.quick else "tp1,pp2")).split(",")
     results, models = {}, {}

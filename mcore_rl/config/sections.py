@@ -111,7 +111,7 @@ class ReshardConfig:
     time; the transfer and the engine's loading then never compete for cores)."""
     writer_threads: int | None = None
     """Threads each trainer rank copies its pieces with; None: the rank's share of the
-    machine's cores (cores / ranks on the node) beyond its torch intra-op threads."""
+    machine's cores (cores / ranks on the node) divided by its torch intra-op threads."""
     verify: bool = True
     """After each sync, compare engine and trainer log-probs on a fixed probe batch and fail
     above verify_tolerance."""

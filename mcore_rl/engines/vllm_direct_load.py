@@ -14,17 +14,19 @@ It does only what a sync needs, from the engine parameter layout that
 - a linear weight the CPU backend repacked (vLLM then keeps only the packed copy, and the
   parameter is empty) is assembled as the engine parameter (fused ``qkv_proj`` /
   ``gate_up_proj`` of this engine TP rank) and handed to the layer's own
-  ``process_weights_after_loading``, which repacks it. Where the pieces already lie back to
-  back in the bucket (engine TP1) the assembled weight is a view of the bucket, so nothing
-  is copied before the repack; otherwise it is gathered into a staging tensor reused from
-  one module to the next (at most one engine parameter);
+  ``process_weights_after_loading``, which repacks it. Where the bucket already holds that
+  tensor in the engine's dtype (one piece, or q/k/v and gate/up back to back: engine TP1)
+  the assembled weight is a view of the bucket, so nothing is copied before the repack;
+  otherwise it is gathered (and cast) into a staging tensor reused from one module to the
+  next (at most one engine parameter). Which weights are repacked is decided once, when
+  the `DirectLoad` is built;
 - an LM head whose kernel keeps a processed copy of its weight (the CPU GEMM handle; for a
   tied head, the embedding's) is processed again once its weight changed.
 
 Used only when every engine parameter maps to a live module with the expected shape and an
 unquantized method (`DirectLoad.build` says why not otherwise); anything else, a quantized
-model for instance, goes through vLLM's layerwise reload. Every parameter must arrive
-exactly once per session; `finish` names the ones that did not.
+model for instance, goes through vLLM's layerwise reload. Every parameter must arrive in
+each session; `finish` names the ones that did not.
 """
 from __future__ import annotations
 
@@ -46,11 +48,14 @@ def _method_name(module: torch.nn.Module) -> str | None:
 class DirectLoad:
     """The engine parameters of one vLLM worker and how to load each (see module doc)."""
 
-    def __init__(self, model: torch.nn.Module, params: list[EngineParam]):
+    def __init__(self, model: torch.nn.Module, params: list[EngineParam], repacked: set[str]):
         self.model = model
-        self.params = {p.name: p for p in params}
+        # A parameter with no source (a vocabulary shard past the real rows) is never sent.
+        self.params = {p.name: p for p in params if p.sources}
+        self.repacked = repacked
+        """Parameters the CPU backend keeps only in packed form (decided once, when built)."""
         self.by_source: dict[str, list[EngineParam]] = {}
-        for p in params:
+        for p in self.params.values():
             for s in p.sources:
                 self.by_source.setdefault(s.hf_name, []).append(p)
         self.loaded: set[str] = set()
@@ -67,21 +72,29 @@ class DirectLoad:
             arch = spec_from_hf_config(hf_config).arch
         except Exception as err:  # noqa: BLE001 - an architecture mcore-rl does not map
             return None, f"the model is not one mcore-rl maps ({err})"
-        params = engine_params(arch, tp, rank)
+        if _zen_without_prepack():
+            return None, ("vLLM's Zen CPU GEMM without prepacking keeps the weight it was given, "
+                          "which would be the bucket")
+        params, repacked = engine_params(arch, tp, rank), set()
         for p in params:
             module_name, _, attr = p.name.rpartition(".")
             try:
                 module = model.get_submodule(module_name)
             except AttributeError:
                 return None, f"the engine has no module {module_name}"
-            if not isinstance(getattr(module, attr, None), torch.Tensor):
+            live = getattr(module, attr, None)
+            if not isinstance(live, torch.Tensor):
                 return None, f"{module_name} has no tensor {attr}"
             if list(created_shapes.get(p.name, ())) != list(p.shape):
                 return None, (f"{p.name} was created with shape {created_shapes.get(p.name)}, "
                               f"mcore-rl's layout says {list(p.shape)}")
             if _method_name(module) not in (None, *_PLAIN_METHODS):
                 return None, f"{module_name} uses {_method_name(module)}"
-        return cls(model, params), ""
+            if live.numel() != math.prod(p.shape):
+                if _method_name(module) != "UnquantizedLinearMethod" or live.numel():
+                    return None, f"{p.name} holds {live.numel()} elements, not {list(p.shape)}"
+                repacked.add(p.name)
+        return cls(model, params, repacked), ""
 
     # ----- one session -------------------------------------------------------------------
     def begin(self) -> None:
@@ -111,46 +124,66 @@ class DirectLoad:
         module_name, _, attr = p.name.rpartition(".")
         module = self.model.get_submodule(module_name)
         live = getattr(module, attr)
-        if live.numel() == math.prod(p.shape):  # a plain tensor: overwrite in place
-            at = 0
-            for part in parts:
-                live.narrow(p.axis, at, part.shape[p.axis]).copy_(part)
-                at += part.shape[p.axis]
+        if p.name not in self.repacked:  # a plain tensor: overwrite in place (casting)
+            _copy_along(live, p.axis, parts)
             if _is_lm_head(module):
                 module.quant_method.process_weights_after_loading(module)
             return
-        # Repacked by the CPU backend: give the layer the whole weight and let it repack.
-        weight = self._assemble(p, parts, buffer)
+        # Repacked by the CPU backend: give the layer the whole weight, in the engine's dtype
+        # (the empty placeholder keeps it), and let it repack; then the placeholder again.
+        weight = self._assemble(p, parts, buffer, live.dtype)
+        placeholder = live
         module.register_parameter(attr, torch.nn.Parameter(weight, requires_grad=False))
-        module.quant_method.process_weights_after_loading(module)
+        try:
+            module.quant_method.process_weights_after_loading(module)
+        except BaseException:
+            module.register_parameter(attr, placeholder)
+            raise
         kept = getattr(module, attr)
-        if kept.numel() and _shares_memory(kept, weight):  # the kernel reads it as it is
+        if kept.numel() and kept.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+            # this kernel reads the weight as it is: give it its own, not the bucket's memory
             module.register_parameter(attr, torch.nn.Parameter(kept.detach().clone(),
                                                                requires_grad=False))
 
-    def _assemble(self, p: EngineParam, parts: list[torch.Tensor],
-                  buffer: torch.Tensor) -> torch.Tensor:
-        """``p``'s full tensor: a view of ``buffer`` where the parts lie back to back along
-        axis 0 and fill it; otherwise the parts gathered into the staging tensor."""
-        if p.axis == 0 and sum(t.shape[0] for t in parts) == p.shape[0] and _adjacent(parts):
-            first = parts[0]
-            start = first.data_ptr() - buffer.data_ptr()
-            if 0 <= start and start + math.prod(p.shape) * first.element_size() <= buffer.numel():
-                nbytes = math.prod(p.shape) * first.element_size()
-                return buffer[start:start + nbytes].view(first.dtype).view(p.shape)
-        dtype = parts[0].dtype
+    def _assemble(self, p: EngineParam, parts: list[torch.Tensor], buffer: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """``p``'s full tensor in ``dtype``: a view of ``buffer`` where the parts already are
+        that tensor (one part, or parts back to back along axis 0); otherwise the parts
+        gathered into the staging tensor (one per dtype, reused)."""
         numel = math.prod(p.shape)
+        whole = sum(t.shape[p.axis] for t in parts) == p.shape[p.axis]
+        if (whole and parts[0].dtype == dtype and _adjacent(parts)
+                and (len(parts) == 1 or p.axis == 0)):
+            start = parts[0].data_ptr() - buffer.data_ptr()
+            nbytes = numel * parts[0].element_size()
+            if 0 <= start and start + nbytes <= buffer.numel():
+                return buffer[start:start + nbytes].view(dtype).view(p.shape)
         staging = self._staging.get(dtype)
         if staging is None or staging.numel() < numel:
             staging = self._staging[dtype] = torch.empty(numel, dtype=dtype)
         out = staging[:numel].view(p.shape)
-        if sum(t.shape[p.axis] for t in parts) != p.shape[p.axis]:
+        if not whole:
             out.zero_()  # rows past the sources (vocabulary padding) stay zero
-        at = 0
-        for part in parts:
-            out.narrow(p.axis, at, part.shape[p.axis]).copy_(part)
-            at += part.shape[p.axis]
+        _copy_along(out, p.axis, parts)
         return out
+
+
+def _copy_along(out: torch.Tensor, axis: int, parts: list[torch.Tensor]) -> None:
+    """Copy ``parts`` one after another along ``axis`` into ``out`` (casting)."""
+    at = 0
+    for part in parts:
+        out.narrow(axis, at, part.shape[axis]).copy_(part)
+        at += part.shape[axis]
+
+
+def _zen_without_prepack() -> bool:
+    try:
+        from vllm import envs
+        from vllm.platforms import current_platform
+    except ImportError:  # stand-in modules in tests
+        return False
+    is_zen = getattr(current_platform, "is_zen_cpu", lambda: False)()
+    return bool(is_zen and not getattr(envs, "VLLM_ZENTORCH_WEIGHT_PREPACK", True))
 
 
 def _adjacent(parts: list[torch.Tensor]) -> bool:
@@ -158,10 +191,6 @@ def _adjacent(parts: list[torch.Tensor]) -> bool:
         return False
     return all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
                for a, b in zip(parts, parts[1:]))
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _is_lm_head(module: torch.nn.Module) -> bool:

@@ -13,7 +13,8 @@ One sync is one session, in one of two ways, chosen when it begins:
   mcore-rl describes and unquantized weights): each bucket's checksums are checked first
   (nothing of a bad bucket is loaded), then its tensors go straight into the live modules:
   plain weights overwritten in place, CPU-repacked linear weights repacked by the layer's
-  own ``process_weights_after_loading`` from a view of the bucket;
+  own ``process_weights_after_loading`` (from a view of the bucket where it holds the
+  whole engine parameter);
 - **layerwise**, otherwise: the steps of vLLM's own ``reload_weights`` spread over several
   calls. ``initialize_layerwise_reload`` at the start puts every layer back on the meta
   device and wraps its weight loaders; each bucket then goes through ``model.load_weights``
@@ -79,10 +80,13 @@ class ReshardWorkerExtension:
 
             from mcore_rl.engines.vllm_direct_load import DirectLoad
 
-            direct, why = DirectLoad.build(
-                self.model_runner.get_model(), self.model_config.hf_config.to_dict(),
-                _created_shapes(self.model_runner.get_model()),
-                get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+            try:
+                direct, why = DirectLoad.build(
+                    self.model_runner.get_model(), self.model_config.hf_config.to_dict(),
+                    _created_shapes(self.model_runner.get_model()),
+                    get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+            except Exception as err:  # noqa: BLE001 - the layerwise reload still works
+                direct, why = None, f"{type(err).__name__}: {err}"
             if direct is None:
                 init_logger(__name__).info("mcore-rl weight sync: vLLM's layerwise reload (%s)", why)
             self._mcore_rl_direct_load = direct
@@ -122,6 +126,7 @@ class ReshardWorkerExtension:
     def _mcore_rl_begin(self, path: str, nbytes: int, mode: str) -> str:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+        self._mcore_rl_session_direct = False
         self._mcore_rl_buffer = self._mcore_rl_open(path, nbytes)
         self._mcore_rl_model = self.model_runner.get_model()
         self._mcore_rl_session_direct = mode == "auto" and self._mcore_rl_direct() is not None

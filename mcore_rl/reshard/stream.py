@@ -60,8 +60,6 @@ from mcore_rl.reshard.bucket import (WeightSyncError, copy_and_checksum, create_
                                      map_bucket_file, piece_view, remove_bucket_file)
 from mcore_rl.reshard.plan import Holding, Piece, ReshardPlan
 
-_THREADED_ABOVE = 8 * 2**20  # smaller buckets are written by one thread: handing out costs more
-
 # (bucket index, mapped bucket [nbytes] uint8, manifest) -> None; called by the controller
 # after the writers' checksums are in and before the engines read the bucket (tests).
 BucketHook = Callable[[int, torch.Tensor, dict], None]
@@ -95,7 +93,8 @@ def _unwrap(chunk):
 
 def default_writer_threads(group=None) -> int:
     """Threads each trainer rank copies with during a sync: its share of this machine's cores
-    (the trainer computes nothing meanwhile) beyond those torch's own intra-op threads use."""
+    (the trainer computes nothing meanwhile) divided by its torch intra-op threads, which
+    each writer's copies use in turn."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(group)))
     return max(1, cores // max(1, local) // max(1, torch.get_num_threads()))
@@ -143,6 +142,9 @@ class WeightSync:
                  controller: int = 0, group=None):
         self.chunks = chunks
         self.overlap = overlap
+        self.threaded_above = 8 * 2**20
+        """Buckets smaller than this (bytes of this rank) are written by one thread: handing
+        them out costs more than it saves."""
         self.writer_threads = writer_threads or default_writer_threads(group)
         # With several writers, all of them are pool threads and this one waits, holding no
         # GIL: a writer running here would keep the others waiting for it between copies.
@@ -150,6 +152,9 @@ class WeightSync:
                              if self.writer_threads > 1 else None)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(group)
+        # where the group's backend takes tensors (NCCL: only the current GPU)
+        self._flag_device = (torch.device("cuda", torch.cuda.current_device())
+                             if dist.get_backend(group) == "nccl" else torch.device("cpu"))
         self.controller = controller
         self.group = group
         self.engines = list(engines or [])
@@ -224,7 +229,7 @@ class WeightSync:
         """The controller's ``error`` (None: carry on) raised on every rank: a one-byte
         broadcast, and the message itself only when there is one."""
         if self.world_size > 1:
-            failed = torch.tensor([error is not None], dtype=torch.uint8)
+            failed = torch.tensor([error is not None], dtype=torch.uint8, device=self._flag_device)
             dist.broadcast(failed, src=self.controller, group=self.group)
             if not failed.item():
                 return
@@ -354,7 +359,7 @@ class WeightSync:
         try:
             shares = self._writes(k, buffer, views)
             nbytes = sum(dst.numel() * dst.element_size() for share in shares for _, _, dst, _ in share)
-            if self._writer_pool is None or len(shares) < 2 or nbytes < _THREADED_ABOVE:
+            if self._writer_pool is None or len(shares) < 2 or nbytes < self.threaded_above:
                 for share in shares:
                     mine.update(self._write(share))
             else:

@@ -17,16 +17,20 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size
 
 
 class UnquantizedLinearMethod:
-    """Stands in for vLLM's: on CPU, processing repacks the weight and empties it."""
+    """Stands in for vLLM's: on CPU, processing repacks the weight (a copy in the weight's
+    dtype) and leaves an empty parameter of that dtype."""
 
-    def __init__(self, keeps_weight=False):
-        self.keeps_weight = keeps_weight
+    def __init__(self, keeps_weight=False, fails=False):
+        self.keeps_weight = keeps_weight  # a kernel that reads the weight it is given
+        self.fails = fails
 
     def process_weights_after_loading(self, layer):
-        if self.keeps_weight:  # a kernel that reads the weight as it is
-            return
+        if self.fails:
+            raise RuntimeError("repacking failed")
         layer.packed = layer.weight.detach().clone()
-        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        if not self.keeps_weight:
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=layer.weight.dtype),
+                                              requires_grad=False)
 
 
 class UnquantizedEmbeddingMethod:
@@ -38,8 +42,9 @@ class ParallelLMHead(torch.nn.Module):
     pass
 
 
-def fake_model(keeps_weight=False, method=UnquantizedLinearMethod):
-    """Modules at the names and shapes of the engine parameter plan (engine TP1)."""
+def fake_model(method=UnquantizedLinearMethod):
+    """Modules at the names and shapes of the engine parameter plan (engine TP1), linear
+    weights repacked once, as vLLM does when it loads the model."""
     arch = spec_from_hf_config(CONFIG).arch
     root, shapes = torch.nn.Module(), {}
     for p in engine_params(arch):
@@ -52,10 +57,9 @@ def fake_model(keeps_weight=False, method=UnquantizedLinearMethod):
             parent = getattr(parent, part)
         shapes[p.name] = list(p.shape)
         if path.endswith("_proj"):
-            parent.quant_method = method(keeps_weight) if method else None
+            parent.quant_method = method()
             parent.register_parameter(attr, torch.nn.Parameter(torch.zeros(p.shape), requires_grad=False))
-            if method and not keeps_weight:
-                parent.quant_method.process_weights_after_loading(parent)
+            parent.quant_method.process_weights_after_loading(parent)
         else:
             if "embed" in path or "lm_head" in path:
                 parent.quant_method = UnquantizedEmbeddingMethod()
@@ -85,12 +89,13 @@ def hf_tensors(seed=0):
 
 def in_bucket(tensors: dict, order: list[str]):
     """The tensors back to back in one uint8 buffer, in ``order``; views of it by name."""
-    buffer = torch.zeros(sum(t.numel() * 4 for t in tensors.values()), dtype=torch.uint8)
+    buffer = torch.zeros(sum(t.numel() * t.element_size() for t in tensors.values()),
+                         dtype=torch.uint8)
     views, at = {}, 0
     for name in order:
         t = tensors[name]
-        n = t.numel() * 4
-        views[name] = buffer[at:at + n].view(torch.float32).view(t.shape)
+        n = t.numel() * t.element_size()
+        views[name] = buffer[at:at + n].view(t.dtype).view(t.shape)
         views[name].copy_(t)
         at += n
     return buffer, views
@@ -133,14 +138,46 @@ def test_fused_weights_equal_the_concatenated_hf_tensors_and_outlive_the_bucket(
 
 
 def test_a_kernel_that_keeps_the_weight_gets_its_own_copy_not_a_view_of_the_bucket():
-    model, shapes = fake_model(keeps_weight=True)
+    model, shapes = fake_model()
     direct, _ = DirectLoad.build(model, CONFIG, shapes, tp=1, rank=0)
+    for module in model.modules():  # from now on, processing keeps the weight it is given
+        if isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod):
+            module.quant_method.keeps_weight = True
     tensors = hf_tensors(1)
-    buffer, views = in_bucket(tensors, list(tensors))
+    buffer, views = in_bucket(tensors, list(tensors))  # q, k, v back to back: a view
     direct.load(views, buffer)
     buffer.zero_()
     qkv = model.get_submodule("model.layers.0.self_attn.qkv_proj").weight
     assert torch.equal(qkv, torch.cat([tensors[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"]))
+
+
+def test_a_bf16_bucket_is_repacked_in_the_engines_dtype():
+    model, shapes = fake_model()
+    direct, _ = DirectLoad.build(model, CONFIG, shapes, tp=1, rank=0)
+    tensors = {k: v.to(torch.bfloat16) for k, v in hf_tensors(2).items()}
+    buffer, views = in_bucket(tensors, list(tensors))
+    direct.load(views, buffer)
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj"):
+        module = model.get_submodule(name)
+        assert module.packed.dtype == torch.float32 and module.weight.dtype == torch.float32, name
+    down = tensors["model.layers.1.mlp.down_proj.weight"].float()
+    assert torch.equal(model.get_submodule("model.layers.1.mlp.down_proj").packed, down)
+    assert model.model.norm.weight.dtype == torch.float32
+
+
+def test_a_failed_repack_leaves_the_placeholder_and_the_next_sync_repacks_again():
+    model, shapes = fake_model()
+    direct, _ = DirectLoad.build(model, CONFIG, shapes, tp=1, rank=0)
+    down = model.get_submodule("model.layers.0.mlp.down_proj")
+    down.quant_method.fails = True
+    tensors = hf_tensors(3)
+    buffer, views = in_bucket(tensors, list(tensors))
+    with pytest.raises(RuntimeError, match="repacking failed"):
+        direct.load(views, buffer)
+    assert down.weight.numel() == 0, "the placeholder is back, not a view of the bucket"
+    down.quant_method.fails = False
+    direct.load(views, buffer)
+    assert torch.equal(down.packed, tensors["model.layers.0.mlp.down_proj.weight"])
 
 
 def test_a_parameter_that_never_arrived_fails_the_session_by_name():
@@ -174,7 +211,7 @@ def test_models_it_does_not_know_go_to_the_layerwise_reload_with_a_reason():
     class Fp8LinearMethod(UnquantizedLinearMethod):
         pass
 
-    quantized, shapes = fake_model(method=Fp8LinearMethod)
+    quantized, shapes = fake_model(Fp8LinearMethod)
     direct, why = DirectLoad.build(quantized, CONFIG, shapes, 1, 0)
     assert direct is None and "Fp8LinearMethod" in why
     delattr(model.get_submodule("model.layers.1.mlp"), "down_proj")

@@ -159,17 +159,21 @@ def test_a_sleeping_engine_refuses_to_generate_until_woken(engine):
     assert len(engine.generate(PROMPTS, SamplingConfig(max_new_tokens=2))) == 2
 
 
-def test_a_bucket_with_a_wrong_checksum_is_refused_before_anything_is_loaded(engine, dirs, original_weights):
+@pytest.mark.parametrize("bad", ["first", "second", "last"])
+def test_a_bucket_with_a_wrong_checksum_is_refused_before_anything_is_loaded(engine, dirs, original_weights,
+                                                                             bad):
     from mcore_rl.engines.local_update import update_from_tensors
 
     class FlipChecksums:
-        """Forwards to the engine, with every checksum of the second bucket off by one."""
+        """Forwards to the engine, with every checksum of one bucket off by one (the first
+        and the last also start and end the engine's session)."""
 
         def __getattr__(self, name):
             return getattr(engine, name)
 
         def load_bucket(self, manifest):
-            if manifest["bucket"] == 1:
+            k, n = manifest["bucket"], manifest["num_buckets"]
+            if k == {"first": 0, "second": 1, "last": n - 1}[bad]:
                 for *_, pieces in manifest["tensors"]:
                     for piece in pieces:
                         piece[3] = [value + 1 for value in piece[3]]
@@ -181,3 +185,14 @@ def test_a_bucket_with_a_wrong_checksum_is_refused_before_anything_is_loaded(eng
     assert not engine.consistent and engine.weight_version is None
     with pytest.raises(WeightSyncError, match="version 6"):
         engine.generate(PROMPTS, SamplingConfig(max_new_tokens=2))
+    engine.update_weights(tensors.items(), version=7, bucket_mb=0.05)  # the next session is clean
+    after = engine.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6))
+    assert engine.consistent and [s.token_ids for s in after] == hf_greedy(dirs[1])
+
+
+def test_a_session_that_never_sent_a_parameter_fails_by_name(engine, dirs, original_weights):
+    tensors = load_file(f"{dirs[1]}/model.safetensors")
+    del tensors["model.norm.weight"]
+    with pytest.raises(WeightSyncError, match="did not send model.norm.weight"):
+        engine.update_weights(tensors.items(), version=8, bucket_mb=0.05)
+    assert not engine.consistent

@@ -41,7 +41,8 @@ def models(tmp_path_factory):
     return out
 
 
-def _stream(rank, world_size, layout, hf_dir, start_dir, wire, hook=None, **options):
+def _stream(rank, world_size, layout, hf_dir, start_dir, wire, hook=None, threaded_above=None,
+            **options):
     """Build at ``layout`` from ``hf_dir``, sync into a fresh HFEngine (rank 0); return the
     engine's parameters, the holdings and the plan's shape, or the error raised."""
     from mcore_rl.engines.hf_engine import HFEngine
@@ -56,6 +57,8 @@ def _stream(rank, world_size, layout, hf_dir, start_dir, wire, hook=None, **opti
     try:
         sync = WeightSync(built.chunks, built.spec.arch, engines=[engine] if engine else None,
                           bucket_mb=BUCKET_MB, wire_dtype=getattr(torch, wire), **options)
+        if threaded_above is not None:  # the tiny buckets are below the default threshold
+            sync.threaded_above = threaded_above
         error = None
         try:
             sync.sync(version=3, bucket_hook=hook)
@@ -103,7 +106,7 @@ def test_every_layout_streams_the_exact_hf_tensors_into_the_engine(world, models
 def test_several_writer_threads_one_bucket_at_a_time_stream_the_same_exact_tensors(world, models):
     hf_dir, start_dir, expected = models["qwen2-tied"]
     results = world.run(_stream, LAYOUTS["TP2"], hf_dir, start_dir, "float32",
-                        writer_threads=3, overlap=False)
+                        writer_threads=3, overlap=False, threaded_above=0)
     assert results[0]["error"] is None, results[0]["error"]
     for hf_name, tensor in expected.items():
         assert torch.equal(results[0]["params"][hf_name], tensor), hf_name
@@ -170,7 +173,8 @@ def test_at_equal_tp_each_engine_rank_is_fed_by_its_own_trainer_tp_rank(world, m
 def test_a_corrupted_bucket_fails_the_sync_on_every_rank_and_the_engine_says_so(world, models, overlap):
     hf_dir, start_dir, expected = models["llama-untied"]
     results = world.run(_stream, LAYOUTS["TP2xPP2"], hf_dir, start_dir, "float32",
-                        _flip_one_byte_of_bucket_two, overlap=overlap, writer_threads=2)
+                        _flip_one_byte_of_bucket_two, overlap=overlap, writer_threads=2,
+                        threaded_above=0)
     errors = {r["error"] for r in results}
     assert len(errors) == 1 and None not in errors, "every rank raises the same error"
     message = errors.pop()
