@@ -89,6 +89,10 @@ class RolloutConfig:
     """Responses cut at max_new_tokens: excluded from the loss, given the minimum reward, or kept."""
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory the engine may take (GPU)."""
+    weight_loading: Literal["auto", "layerwise"] = "auto"
+    """vLLM only: how a weight sync loads. auto: straight into the live modules where the model
+    has mcore-rl's layout and unquantized weights (otherwise as layerwise); layerwise: always
+    vLLM's own reload steps (slower on CPU, for models the direct path does not cover)."""
 
 
 @dataclass

@@ -51,6 +51,8 @@ def build_rollout_engine(cfg, model_dir: str | Path, *, dtype: str = "fp32", see
     if cfg.engine not in ENGINES:
         raise UsageError(f"unknown rollout engine {cfg.engine!r} (engines: {', '.join(ENGINES)})")
     max_len = kwargs.pop("max_model_len", cfg.max_prompt_tokens + cfg.max_new_tokens)
+    if cfg.engine == "vllm":
+        kwargs.setdefault("weight_loading", cfg.weight_loading)
     return ENGINES[cfg.engine](model_dir, tp=cfg.engine_tp, dtype=dtype, seed=seed,
                                placement=cfg.placement, max_model_len=max_len,
                                gpu_memory_utilization=cfg.gpu_memory_utilization, **kwargs)

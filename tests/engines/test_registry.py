@@ -23,6 +23,17 @@ def test_choosing_an_engine_that_is_not_installed_says_what_to_install_in_one_li
     assert "\n" not in message and f"pip install {package}" in message.replace("'", "")
 
 
+def test_the_config_chooses_how_vllm_loads_weights_and_other_engines_are_not_told(monkeypatch):
+    import mcore_rl.engines as engines
+
+    seen = {}
+    monkeypatch.setitem(engines.ENGINES, "vllm", lambda model_dir, **kw: seen.setdefault("vllm", kw))
+    monkeypatch.setitem(engines.ENGINES, "hf", lambda model_dir, **kw: seen.setdefault("hf", kw))
+    build_rollout_engine(RolloutConfig(engine="vllm", weight_loading="layerwise"), "/m")
+    build_rollout_engine(RolloutConfig(engine="hf", weight_loading="layerwise"), "/m")
+    assert seen["vllm"]["weight_loading"] == "layerwise" and "weight_loading" not in seen["hf"]
+
+
 def test_an_unknown_engine_name_lists_the_engines():
     with pytest.raises(UsageError, match="vllm, sglang, hf"):
         build_rollout_engine(RolloutConfig(engine="trt"), "/nowhere")
