@@ -35,7 +35,7 @@ import math
 import torch
 
 from mcore_rl.engines.param_plan import EngineParam, engine_params
-from mcore_rl.reshard.bucket import WeightSyncError
+from mcore_rl.reshard.bucket import WeightSyncError, piece_view
 
 _PLAIN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
@@ -157,7 +157,7 @@ class DirectLoad:
             start = parts[0].data_ptr() - buffer.data_ptr()
             nbytes = numel * parts[0].element_size()
             if 0 <= start and start + nbytes <= buffer.numel():
-                return buffer[start:start + nbytes].view(dtype).view(p.shape)
+                return piece_view(buffer, start, nbytes, dtype, p.shape)
         staging = self._staging.get(dtype)
         if staging is None or staging.numel() < numel:
             staging = self._staging[dtype] = torch.empty(numel, dtype=dtype)

@@ -77,7 +77,7 @@ class SyncStats:
     (summed over buckets)."""
     apply_s: float = 0.0
     """Engines checking and loading buckets and finishing the session (summed over buckets;
-    it overlaps the transfer of the next bucket)."""
+    with ``overlap`` it overlaps the transfer of the next bucket)."""
     total_s: float = 0.0
     """Wall time of the whole sync."""
     per_bucket_apply_s: list[float] = field(default_factory=list)
@@ -319,7 +319,8 @@ class WeightSync:
 
     def _writes(self, k: int, buffer: torch.Tensor, views: dict) -> list[list]:
         """This rank's pieces of bucket k as (tensor index, piece index, destination view,
-        source view), split into one list per writer thread with about equal bytes; built
+        source view), split into one list per writer thread with about equal bytes (one list
+        below ``threaded_above`` bytes); built
         once per bucket and kept while ``views`` stays the same."""
         cache = getattr(self, "_write_cache", None)
         if cache is None or cache[0] is not views or cache[1] is not buffer:
@@ -334,7 +335,9 @@ class WeightSync:
                         dst = piece_view(buffer, p.offset, nbytes, dtype, p.shape)
                         src = piece_source(p, views)
                         writes.append((ti, pi, dst.view(src.shape), src))
-            shares: list[list] = [[] for _ in range(self.writer_threads)]
+            nbytes = sum(dst.numel() * dst.element_size() for _, _, dst, _ in writes)
+            threads = self.writer_threads if nbytes >= self.threaded_above else 1
+            shares: list[list] = [[] for _ in range(threads)]
             load = [0] * len(shares)
             for w in sorted(writes, key=lambda w: -w[2].numel()):  # largest first, to the least loaded
                 i = load.index(min(load))
@@ -358,8 +361,7 @@ class WeightSync:
         mine, failure = {}, None
         try:
             shares = self._writes(k, buffer, views)
-            nbytes = sum(dst.numel() * dst.element_size() for share in shares for _, _, dst, _ in share)
-            if self._writer_pool is None or len(shares) < 2 or nbytes < self.threaded_above:
+            if self._writer_pool is None or len(shares) < 2:
                 for share in shares:
                     mine.update(self._write(share))
             else:
