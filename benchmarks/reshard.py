@@ -4,12 +4,15 @@ Per model (a tiny Llama and SmolLM2-135M; ``--quick``: the tiny one) and trainer
 and PP2 with one process per rank; ``--quick``: TP1), vLLM at engine TP1, fp32 on both sides,
 in the same run (the two paths alternate, so both see the same machine load):
 
-- **ours**: `WeightSync.sync` (shared-memory buckets of ``--bucket-mb``, checksums, one
-  engine update session). The whole sync is timed as configured by default (writers fill
-  bucket k+1 while the engine loads bucket k); its split into *transfer* (trainer ranks
-  writing and checksumming their pieces) and *apply* (the engine checking and loading
-  buckets, finishing the session) comes from syncs run one bucket at a time
-  (``reshard.overlap=False``), where the two do not share the cores;
+- **ours**: `WeightSync.sync` as configured by default (``reshard.transport=auto``: on these
+  CPU trainers the *shared* transport, where the parameters live in the shared-memory file
+  the engine maps and a sync checksums them in place; ``--transport buckets``: every sync
+  copies them into buckets of ``--bucket-mb``), checksums, one engine update session,
+  buckets of ``--bucket-mb`` loaded one after another. The whole sync is timed as configured
+  by default (writers publish bucket k+1 while the engine loads bucket k); its split into
+  *transfer* (trainer ranks copying, where they copy, and checksumming what they send) and
+  *apply* (the engine checking and loading buckets, finishing the session) comes from syncs
+  run one bucket at a time (``reshard.overlap=False``), where the two do not share the cores;
 - **naive**: the trainer gathers the model to rank 0 as HF tensors (`gather_hf_tensors`),
   writes an HF checkpoint to disk (``save_file``, as ``save_pretrained`` does) and the running
   engine reloads it from there (vLLM's in-place reload from a directory), split the same way.
@@ -22,9 +25,10 @@ Times are medians over ``--repeats`` syncs after ``--warmup`` rounds (the naive 
 a few to reach its steady state: its first writes run ~2x slower). Peak extra memory, each path
 in a fresh set of processes (``--quick``: both in one), is the largest rise during the first
 sync (for ours: creating the `WeightSync`, which allocates the bucket file, and one sync) of
-(a) the *transport*: the bucket file plus the rise of the trainer ranks' anonymous memory
-(naive: the model gathered on rank 0 and its serialised bytes; the page cache of the written
-file is not counted); (b) the summed PSS of trainer and engine processes: the *whole sync*,
+(a) the *transport*: the file the engine maps, less the parameters the shared transport
+moved into it (they left the trainer's heap: not extra), plus the rise of the trainer ranks'
+anonymous memory (naive: the model gathered on rank 0 and its serialised bytes; the page
+cache of the written file is not counted); (b) the summed PSS of trainer and engine processes: the *whole sync*,
 including what vLLM itself allocates to process new weights (one layer at a time, in both
 paths). Targets: transfer >= 5x faster than disk write+read, whole sync >= 2x faster than
 naive, transport peak extra <= one bucket budget (``--bucket-mb``) + the largest tensor.
@@ -172,7 +176,8 @@ def _read_s(path: Path) -> float:
 
 
 def _measure(rank, world_size, hf_dir: str, layout: tuple[int, int], bucket_mb: float,
-             repeats: int, what: list[str], scratch: str, warmup: int = 1) -> dict:
+             repeats: int, what: list[str], scratch: str, warmup: int = 1,
+             transport: str = "auto") -> dict:
     """Trainer at ``layout`` (tp, pp; rank 0 holds the engine), then measure ``what``:
     time, mem_ours, mem_naive."""
     import torch.distributed as dist
@@ -194,12 +199,12 @@ def _measure(rank, world_size, hf_dir: str, layout: tuple[int, int], bucket_mb: 
 
         def start_ours():  # allocates the bucket file, then one sync
             holder["sync"] = WeightSync(built.chunks, arch, engines=[engine] if engine else None,
-                                        bucket_mb=bucket_mb)
+                                        bucket_mb=bucket_mb, transport=transport)
             holder["sync"].sync(version=1)
 
         if "mem_naive" in what:  # first: nothing of ours allocated yet in these processes
             probe = WeightSync(built.chunks, arch, engines=[engine] if engine else None,
-                               bucket_mb=bucket_mb)  # the plan tells the gather what to send
+                               bucket_mb=bucket_mb, transport="buckets")  # the plan: what to send
             probe.close()
             out["mem_naive"] = _memory(rank, pids, lambda: _naive_sync(probe, hf_dir, engine,
                                                                        disk, version=1))
@@ -208,7 +213,8 @@ def _measure(rank, world_size, hf_dir: str, layout: tuple[int, int], bucket_mb: 
         if "mem_ours" in what:
             out["mem_ours"] = mem
         out["plan"] = {"buckets": len(sync.plan.buckets), "bytes": sync.plan.total_nbytes,
-                       "file_bytes": sync.plan.file_nbytes,
+                       "file_bytes": sync.plan.file_nbytes, "moved_bytes": sync.moved_nbytes,
+                       "transport": sync.transport,
                        "largest_tensor_bytes": max(t.nbytes for b in sync.plan.buckets
                                                    for t in b.tensors)}
         if "time" in what:  # alternating, so that every path sees the same machine load
@@ -243,14 +249,14 @@ LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 
 
 def _fresh(hf_dir: str, layout: str, bucket_mb: float, repeats: int, what: list[str],
-           threads: int, warmup: int = 1) -> dict:
+           threads: int, warmup: int = 1, transport: str = "auto") -> dict:
     from mcore_rl.parallel.local_world import SharedWorld
 
     tp, pp = LAYOUTS[layout]
     with tempfile.TemporaryDirectory(prefix="bench_reshard_") as scratch, \
             SharedWorld(tp * pp, threads_per_rank=threads, timeout_s=1800) as world:
         return world.run(_measure, hf_dir, (tp, pp), bucket_mb, repeats, what, scratch,
-                         warmup)[0]
+                         warmup, transport)[0]
 
 
 # ----- placement: the engine in processes of its own vs inside the trainer process ---------
@@ -338,10 +344,11 @@ def _comparisons(name: str, r: dict, bucket_mb: float) -> dict:
     gb = plan["bytes"] / 1e9
     disk = naive["write_s"] + naive["read_s"]
     bound_mib = bucket_mb + plan["largest_tensor_bytes"] / 2**20
-    ours_mib = r["mem_ours"]["trainer_mib"] + plan["file_bytes"] / 2**20
+    ours_mib = r["mem_ours"]["trainer_mib"] + (plan["file_bytes"] - plan["moved_bytes"]) / 2**20
     transport = memory_comparison(ours_mib, r["mem_naive"]["trainer_mib"], "MiB")
-    transport.update(measured="bucket file + rise of the trainer ranks' anonymous memory "
-                              "(naive: the gathered model and its serialised bytes)",
+    transport.update(measured="file the engine maps, less the parameters moved into it, + rise "
+                              "of the trainer ranks' anonymous memory (naive: the gathered "
+                              "model and its serialised bytes)", transport=plan["transport"],
                      bound_mib=bound_mib, within_bound=ours_mib <= bound_mib)
     whole = memory_comparison(r["mem_ours"]["whole_mib"], r["mem_naive"]["whole_mib"], "MiB")
     whole.update(measured="PSS of trainer + engine processes (includes the engine's own "
@@ -380,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default=None,
                         help="trainer layouts, comma separated among tp1, tp2, pp2 (one rank "
                              "per process; default tp1,pp2; --quick tp1)")
+    parser.add_argument("--transport", choices=("auto", "shared", "buckets"), default="auto",
+                        help="reshard.transport of our sync (default auto: shared here)")
     parser.add_argument("--trainer-threads", type=int, default=1,
                         help="torch threads of the trainer process (the engine gets all cores)")
     args = parser.parse_args(argv)
@@ -396,12 +405,13 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"{name}: trainer {layout.upper()} -> vLLM TP1, bucket budget {bucket_mb} MiB")
             if args.quick:
                 r = _fresh(hf_dir, layout, bucket_mb, repeats,
-                           ["time", "mem_ours", "mem_naive"], threads, warmup)
+                           ["time", "mem_ours", "mem_naive"], threads, warmup, args.transport)
             else:
-                r = _fresh(hf_dir, layout, bucket_mb, repeats, ["time"], threads, warmup)
+                r = _fresh(hf_dir, layout, bucket_mb, repeats, ["time"], threads, warmup,
+                           args.transport)
                 _log(f"{key}: memory of our sync (fresh processes)")
                 r["mem_ours"] = _fresh(hf_dir, layout, bucket_mb, 0, ["mem_ours"],
-                                       threads)["mem_ours"]
+                                       threads, 1, args.transport)["mem_ours"]
                 _log(f"{key}: memory of the naive sync (fresh processes)")
                 r["mem_naive"] = _fresh(hf_dir, layout, bucket_mb, 0, ["mem_naive"],
                                         threads)["mem_naive"]
@@ -415,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             models["placement"] = {"model": name, **placement}
     meta = {"machine": machine_info(), "bucket_mb": bucket_mb, "repeats": repeats,
             "warmup": warmup,
-            "trainer_threads": threads, "checksum": "sum64",
+            "trainer_threads": threads, "checksum": "sum64", "transport": args.transport,
             "engine": "vLLM TP1, fp32 (trainer fp32)", "trainer_layouts": layouts,
             "models": models,
             "memory": "one process for both paths" if args.quick else "fresh processes per path"}

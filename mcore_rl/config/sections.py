@@ -104,6 +104,11 @@ class ReshardConfig:
     sync (an engine module larger than this gets a bucket of its own)."""
     shm_dir: str = "/dev/shm"
     """Directory of the bucket file (a tmpfs: RAM, no disk)."""
+    transport: Literal["auto", "shared", "buckets"] = "auto"
+    """How weights reach the engine. shared: the trainer's parameters are moved into a
+    shared-memory file the engine maps, and a sync only checksums them (CPU parameters that
+    own their memory, in the wire dtype); buckets: every sync copies them into the bucket
+    file; auto: shared where possible, buckets otherwise (the reason is logged)."""
     wire_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Dtype of the weights in the bucket; auto: the trainer's parameter dtype."""
     checksum: Literal["sum64", "crc32"] = "sum64"

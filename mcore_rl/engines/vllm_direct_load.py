@@ -35,7 +35,7 @@ import math
 import torch
 
 from mcore_rl.engines.param_plan import EngineParam, engine_params
-from mcore_rl.reshard.bucket import WeightSyncError, piece_view
+from mcore_rl.reshard.bucket import WeightSyncError, back_to_back, piece_view
 
 _PLAIN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
@@ -152,7 +152,7 @@ class DirectLoad:
         gathered into the staging tensor (one per dtype, reused)."""
         numel = math.prod(p.shape)
         whole = sum(t.shape[p.axis] for t in parts) == p.shape[p.axis]
-        if (whole and parts[0].dtype == dtype and _adjacent(parts)
+        if (whole and parts[0].dtype == dtype and back_to_back(parts)
                 and (len(parts) == 1 or p.axis == 0)):
             start = parts[0].data_ptr() - buffer.data_ptr()
             nbytes = numel * parts[0].element_size()
@@ -184,13 +184,6 @@ def _zen_without_prepack() -> bool:
         return False
     is_zen = getattr(current_platform, "is_zen_cpu", lambda: False)()
     return bool(is_zen and not getattr(envs, "VLLM_ZENTORCH_WEIGHT_PREPACK", True))
-
-
-def _adjacent(parts: list[torch.Tensor]) -> bool:
-    if not all(t.is_contiguous() for t in parts):
-        return False
-    return all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
-               for a, b in zip(parts, parts[1:]))
 
 
 def _is_lm_head(module: torch.nn.Module) -> bool:

@@ -7,13 +7,22 @@ socket or a pickle. Each bucket is described by a *manifest*, plain Python (list
 strings), so it passes unchanged through ``collective_rpc`` to vLLM's worker processes::
 
     {"bucket": k, "num_buckets": n, "version": v, "checksum": "sum64" | "crc32",
-     "tensors": [[hf_name, dtype, shape, axis, [[offset, nbytes, piece_shape, checksum], ...]], ...]}
+     "tensors": [[hf_name, dtype, shape, axis, [[offset, nbytes, piece_shape, checksum], ...]], ...],
+     "regions": [[offset, nbytes, checksum], ...]}        # shared transport only
 
 A tensor is one or more *pieces*, each a contiguous byte range written by one trainer rank
 (its TP shard of the tensor). Pieces along axis 0 lie back to back, so the tensor is a view
 of the file; pieces along axis 1 (row-parallel weights split by a trainer TP > 1) are
 concatenated by the reader. Every piece carries the checksum its writer computed after
 writing; readers check all pieces of a bucket before using any of it.
+
+With the *shared* transport (`mcore_rl.reshard.shared_weights`) the file holds the trainer's
+parameters themselves and nothing is copied into it: a piece is then wherever its part of a
+parameter lies, with a fifth entry ``[view_shape, view_strides]`` (elements) where that part
+is strided (the q, k or v rows of Megatron's interleaved ``linear_qkv``), and its checksum
+is None: the writers checksum *regions* instead (runs of the file's bytes that hold the
+bucket's parameters, `mcore_rl.reshard.plan.REGION_BYTES` at most), listed under
+``"regions"``, and readers check those.
 
 Checksums (``reshard.checksum``):
 - ``sum64`` (default): two 64-bit sums over the piece's 8-byte words, plain and weighted by
@@ -148,12 +157,15 @@ def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor, algorithm: str = "su
     return _sum64_finish(torch.cat(rows), rest)
 
 
-def create_bucket_file(path: str | Path, nbytes: int) -> None:
+def create_bucket_file(path: str | Path, nbytes: int, allocate: bool = True) -> None:
     """Create the bucket file with its tmpfs pages allocated up front (``posix_fallocate``:
-    cheaper than faulting them in on the first write, which runs at ~1.4 GB/s here)."""
+    cheaper than faulting them in on the first write, which runs at ~1.4 GB/s here), or
+    (``allocate=False``) as each page is first written."""
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
     try:
         try:
+            if not allocate:
+                raise OSError
             os.posix_fallocate(fd, 0, max(nbytes, 1))
         except OSError:  # file systems without fallocate: pages come on first write
             os.ftruncate(fd, max(nbytes, 1))
@@ -180,31 +192,74 @@ def piece_view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtyp
 
 
 def check_manifest(buffer: torch.Tensor, manifest: dict) -> None:
-    """Raise `BucketChecksumError` naming the first piece whose checksum does not match."""
+    """Raise `BucketChecksumError` naming the first piece (or region) whose checksum does not
+    match."""
     algorithm = manifest["checksum"]
+    where = f"bucket {manifest['bucket'] + 1}/{manifest['num_buckets']} of weight version " \
+            f"{manifest['version']}"
     for name, _dtype, _shape, _axis, pieces in manifest["tensors"]:
-        for i, (offset, nbytes, _pshape, expected) in enumerate(pieces):
+        for i, (offset, nbytes, _pshape, expected, *_view) in enumerate(pieces):
+            if expected is None:  # covered by a region
+                continue
             got = checksum(buffer[offset:offset + nbytes], algorithm)
             if got != list(expected):
                 raise BucketChecksumError(
-                    f"bucket {manifest['bucket'] + 1}/{manifest['num_buckets']} of weight "
-                    f"version {manifest['version']}: piece {i} of {name} has {algorithm} checksum "
-                    f"{got}, its writer computed {list(expected)} (corrupted in transit)")
+                    f"{where}: piece {i} of {name} has {algorithm} checksum {got}, its writer "
+                    f"computed {list(expected)} (corrupted in transit)")
+    for offset, nbytes, expected in manifest.get("regions", ()):
+        got = checksum(buffer[offset:offset + nbytes], algorithm)
+        if got != list(expected):
+            names = [name for name, dtype, *_, pieces in manifest["tensors"]
+                     if any(p[0] < offset + nbytes and offset < p[0] + _span(p, DTYPES[dtype])
+                            for p in pieces)]
+            raise BucketChecksumError(
+                f"{where}: the parameter region at byte {offset} ({nbytes} bytes, holding "
+                f"{', '.join(names) or 'no piece'}) has {algorithm} checksum {got}, its writer "
+                f"computed {list(expected)} (changed after it was published)")
+
+
+def _span(entry: list, dtype: torch.dtype) -> int:
+    """Bytes from a manifest piece's first element to the end of its last."""
+    layout = entry[4] if len(entry) > 4 else None
+    if layout is None:
+        return entry[1]
+    size = torch.empty((), dtype=dtype).element_size()
+    return (sum((n - 1) * s for n, s in zip(*layout)) + 1) * size
+
+
+def _piece(buffer: torch.Tensor, entry: list, dtype: torch.dtype) -> torch.Tensor:
+    """One manifest piece as a view of ``buffer`` (strided where the entry says so)."""
+    offset, nbytes, shape = entry[:3]
+    layout = entry[4] if len(entry) > 4 else None
+    if layout is None:
+        return piece_view(buffer, offset, nbytes, dtype, shape)
+    span = _span(entry, dtype)
+    return buffer[offset:offset + span].view(dtype).as_strided(tuple(layout[0]), tuple(layout[1]))
+
+
+def back_to_back(parts: list[torch.Tensor]) -> bool:
+    """Contiguous tensors lying one right after the other in memory."""
+    return all(t.is_contiguous() for t in parts) and all(
+        b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+        for a, b in zip(parts, parts[1:]))
 
 
 def read_tensors(buffer: torch.Tensor, manifest: dict) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of a checked bucket: views of the file where the pieces are
-    contiguous, a concatenation where a row-parallel weight arrives in column blocks."""
+    contiguous and back to back, a concatenation otherwise (row-parallel weights arriving in
+    column blocks; with the shared transport, pieces from different parameters or strided
+    q/k/v rows)."""
     out = []
     for name, dtype_name, shape, axis, pieces in manifest["tensors"]:
         dtype = DTYPES[dtype_name]
-        parts = [piece_view(buffer, off, n, dtype, pshape) for off, n, pshape, _ in pieces]
+        parts = [_piece(buffer, entry, dtype) for entry in pieces]
         if len(parts) == 1:
-            tensor = parts[0]
-        elif axis == 0:
+            tensor = parts[0].reshape(tuple(shape))
+        elif axis == 0 and back_to_back(parts):
             start, end = pieces[0][0], pieces[-1][0] + pieces[-1][1]
             tensor = piece_view(buffer, start, end - start, dtype, shape)
         else:
-            tensor = torch.cat(parts, dim=axis)
+            tensor = torch.cat([part.reshape(entry[2]) for part, entry in zip(parts, pieces)],
+                               dim=axis)
         out.append((name, tensor.view(tuple(shape))))
     return out

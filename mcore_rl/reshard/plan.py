@@ -45,7 +45,7 @@ import torch
 
 from mcore_rl.models.arch import ModelArch
 from mcore_rl.models.mapping import GATE_UP, QKV, VOCAB, TensorMapping, hf_shapes, tensor_mappings
-from mcore_rl.reshard.bucket import DTYPE_NAMES, align
+from mcore_rl.reshard.bucket import ALIGN, DTYPE_NAMES, align
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,10 @@ class Piece:
     """Index along ``axis`` where the piece begins in the HF tensor."""
     shape: tuple[int, ...]
     offset: int = -1
-    """Byte offset in its bucket (set when packed)."""
+    """Byte offset in its bucket (set when packed), or in the shared parameter file."""
+    layout: tuple | None = None
+    """Shared transport: (view shape, strides) in elements where the piece is a strided part
+    of its parameter (q/k/v rows of ``linear_qkv``); None: contiguous."""
 
     @property
     def rank(self) -> int:
@@ -104,6 +107,10 @@ class Bucket:
     index: int
     tensors: list[TensorEntry] = field(default_factory=list)
     nbytes: int = 0
+    regions: list[tuple[int, int, int]] = field(default_factory=list)
+    """Shared transport: (offset, nbytes, rank) of the file's byte ranges its pieces lie in
+    (each rank's holdings merged where they are adjacent, cut into runs of at most
+    ``REGION_BYTES``); the writing rank checksums each, the engine checks them."""
 
 
 def _cuts(h: Holding, m: TensorMapping, arch: ModelArch) -> list[tuple[str, tuple, int, int, tuple]]:
@@ -161,6 +168,8 @@ class ReshardPlan:
     bucket_bytes: int
     buckets: list[Bucket]
     hf_shapes: dict[str, tuple[int, ...]]
+    shared_file_nbytes: int | None = None
+    """Shared transport: size of the file holding the trainer's parameters (None: buckets)."""
 
     @classmethod
     def build(cls, holdings: list[Holding], arch: ModelArch, bucket_bytes: int,
@@ -189,9 +198,33 @@ class ReshardPlan:
     def max_bucket_nbytes(self) -> int:
         return max(b.nbytes for b in self.buckets)
 
+    def place_in_shared_file(self, offsets: dict[Holding, int], nbytes: int) -> None:
+        """Shared transport: point every piece at its part of its holding, which lies at
+        ``offsets[holding]`` (bytes) in a file of ``nbytes`` holding the trainer's parameters
+        (`mcore_rl.reshard.shared_weights`). Buckets keep their tensors (units still never
+        straddle buckets); each lists the holding regions its pieces lie in."""
+        size = torch.empty((), dtype=self.wire_dtype).element_size()
+        for bucket in self.buckets:
+            regions: dict[int, tuple[int, int, int]] = {}
+            for t in bucket.tensors:
+                t.pieces = [_in_holding(p, offsets[p.holding], size) for p in t.pieces]
+                for p in t.pieces:
+                    h = p.holding
+                    at = offsets[h]
+                    regions.setdefault(at, (at, _numel(h.shape) * size, h.rank))
+            bucket.regions = _runs(sorted(regions.values()))
+        self.shared_file_nbytes = nbytes
+
+    @property
+    def shared(self) -> bool:
+        return self.shared_file_nbytes is not None
+
     @property
     def file_nbytes(self) -> int:
-        """Size of the bucket file: room for any two consecutive buckets."""
+        """Size of the file the engine maps: room for any two consecutive buckets (shared
+        transport: the trainer's parameters)."""
+        if self.shared_file_nbytes is not None:
+            return self.shared_file_nbytes
         sizes = [b.nbytes for b in self.buckets]
         return max([sizes[0]] + [a + b for a, b in zip(sizes, sizes[1:])])
 
@@ -210,20 +243,62 @@ class ReshardPlan:
     def manifest(self, bucket: int, sums: dict[tuple[int, int], list[int]], version: int,
                  algorithm: str) -> dict:
         """The plain-Python manifest of a bucket (see `mcore_rl.reshard.bucket`);
-        ``sums[(tensor index, piece index)]`` are the writers' checksums."""
+        ``sums[(tensor index, piece index)]`` are the writers' checksums (shared transport:
+        ``sums[region offset]``)."""
         dtype = DTYPE_NAMES[self.wire_dtype]
         tensors = []
         for ti, t in enumerate(self.buckets[bucket].tensors):
-            pieces = [[p.offset, _nbytes(p.shape, self.wire_dtype), list(p.shape), sums[(ti, pi)]]
-                      for pi, p in enumerate(t.pieces)]
+            if self.shared:
+                pieces = [[p.offset, _nbytes(p.shape, self.wire_dtype), list(p.shape), None,
+                           None if p.layout is None else [list(p.layout[0]), list(p.layout[1])]]
+                          for p in t.pieces]
+            else:
+                pieces = [[p.offset, _nbytes(p.shape, self.wire_dtype), list(p.shape),
+                           sums[(ti, pi)]] for pi, p in enumerate(t.pieces)]
             tensors.append([t.hf_name, dtype, list(t.shape), t.axis, pieces])
-        return {"bucket": bucket, "num_buckets": len(self.buckets), "version": version,
-                "checksum": algorithm, "tensors": tensors}
+        out = {"bucket": bucket, "num_buckets": len(self.buckets), "version": version,
+               "checksum": algorithm, "tensors": tensors}
+        if self.shared:
+            out["regions"] = [[at, n, sums[at]] for at, n, _ in self.buckets[bucket].regions]
+        return out
 
     def summary(self) -> str:
         return (f"{len(self.buckets)} buckets, {self.total_nbytes / 2**20:.1f} MiB, largest "
                 f"{self.max_bucket_nbytes / 2**20:.1f} MiB, file {self.file_nbytes / 2**20:.1f} MiB, "
                 f"writers {sorted(self.writers())}")
+
+
+REGION_BYTES = 16 * 2**20
+"""Longest run of bytes one checksum covers (shared transport): short enough that writer
+threads share a bucket evenly, long enough that the per-checksum overhead vanishes."""
+
+
+def _runs(regions: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(offset, nbytes, rank) regions, sorted, merged where one follows the other (up to the
+    alignment padding between parameters) and cut into runs of at most ``REGION_BYTES``."""
+    merged: list[list[int]] = []
+    for at, n, rank in regions:
+        last = merged[-1] if merged else None
+        if last and last[2] == rank and 0 <= at - (last[0] + last[1]) < ALIGN:
+            last[1] = at + n - last[0]
+        else:
+            merged.append([at, n, rank])
+    return [(at + s, min(REGION_BYTES, n - s), rank)
+            for at, n, rank in merged for s in range(0, n, REGION_BYTES)]
+
+
+def _in_holding(p: Piece, at: int, size: int) -> Piece:
+    """``p`` placed in its holding, which starts at byte ``at`` of the shared file."""
+    if p.select[0] != "qkv":  # the whole holding, or its first rows
+        return replace(p, offset=at, layout=None)
+    a, b = p.select[1:]
+    rest = p.holding.shape[1:]
+    row = _numel(rest)
+    per_group = p.holding.shape[0] // (p.shape[0] // (b - a))
+    groups = p.holding.shape[0] // per_group
+    inner = [_numel(rest[i + 1:]) for i in range(len(rest))]
+    return replace(p, offset=at + a * row * size,
+                   layout=((groups, b - a, *rest), (per_group * row, row, *inner)))
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:

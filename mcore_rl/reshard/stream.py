@@ -3,17 +3,27 @@
 Collective over the trainer world: every rank constructs one `WeightSync` at start (the
 `ReshardPlan` is built once from all ranks' holdings) and calls `sync` after each step. The
 *controller* (global rank 0 by default) holds the engine replicas; the other ranks only
-write. One sync is one engine update session:
+write. Weights reach the engines through one file in ``reshard.shm_dir`` (tmpfs), created
+and mapped by every process once, when `WeightSync` is built, and unlinked at once, so it
+lives as long as its mappings. Two transports (``reshard.transport``):
 
-1. controller: ``engine.begin_update`` with the bucket file (``reshard.shm_dir``; created
-   and mapped by every process once, when `WeightSync` is built, and unlinked at once, so it
-   lives as long as its mappings: allocating tmpfs pages costs more than copying into them,
-   ~0.7 s per GB here, so the file is reused by every sync until `close`);
-2. per bucket k: each writer copies its pieces straight from its parameters into the file
-   (casting to the wire dtype; the list of copies is built once per bucket and shared out
-   among ``writer_threads`` threads, `default_writer_threads`), checksums each
-   piece right after copying it, while it is still in cache (`copy_and_checksum`), and
-   sends the checksums to the controller
+- **shared** (auto's choice for CPU parameters that own their memory, in the wire dtype):
+  the file holds the trainer's parameters themselves, moved there when `WeightSync` is built
+  (`mcore_rl.reshard.shared_weights`). A sync copies nothing on the trainer side: writers
+  checksum their parameter regions and the engine reads the pieces where they lie;
+- **buckets** (otherwise, e.g. GPU parameters, Megatron's distributed optimizer, or a wire
+  dtype other than the parameters'): the file holds two buckets, reused by every sync
+  (allocating tmpfs pages costs more than copying into them, ~0.7 s per GB here), and
+  writers copy their pieces into them, casting to the wire dtype.
+
+One sync is one engine update session:
+
+1. controller: ``engine.begin_update`` with the file;
+2. per bucket k (the engine modules it completes): each writer copies its pieces into the
+   bucket (buckets transport; the list of copies is built once per bucket and shared out
+   among ``writer_threads`` threads, `default_writer_threads`) and checksums each piece
+   right after copying it, while it is still in cache (`copy_and_checksum`), or checksums
+   its parameter regions in place (shared), and sends the checksums to the controller
    (``gather_object``, a few hundred bytes). The controller waits until the engines have
    loaded bucket k-1, hands bucket k to a loader thread (every replica checks, then loads
    it) and broadcasts the verdict on k-1, which frees k-1's half of the file: writers fill
@@ -21,30 +31,34 @@ write. One sync is one engine update session:
 3. controller: after the last load, ``engine.finish_update`` (pending layers processed,
    prefix cache reset, new weight version).
 
-Any failure (a writer raising, a checksum mismatch, an engine error) ends the session on
-every engine (``abort_update``: the engine marks itself as holding mixed weight versions
-and refuses to generate) and raises `WeightSyncError` with the same message on every
-rank, so no rank hangs in a collective and no engine is left half-updated silently.
+Any failure (a writer raising, a checksum mismatch, an engine error, parameters that moved
+out of the shared file) ends the session on every engine (``abort_update``: the engine marks
+itself as holding mixed weight versions and refuses to generate) and raises
+`WeightSyncError` with the same message on every rank, so no rank hangs in a collective
+and no engine is left half-updated silently.
 
 Overlapping writes and loads (``reshard.overlap``, default on) hides the shorter of the two
 where writer and engine have cores of their own; on 2 shared cores they also compete for
-them, and the overlap saves only ~4%. Measured (``mcore-rl bench reshard``, SmolLM2-135M
-fp32, 0.54 GB, into vLLM on CPU, 2 cores): a sync takes 0.33-0.35 s. The transfer (two
-writer threads at trainer TP1) takes 0.09-0.11 s; the engine's loading 0.21-0.26 s, of
-which ~0.17 s is the CPU backend repacking linear weights, which any load pays
-(`mcore_rl.engines.vllm_direct_load`). The naive path (gather, write an HF checkpoint,
-let vLLM reload it) takes 0.6-1.2 s: its write alone runs at 0.20-0.24 s or at ~0.44 s
-from one run to the next on this machine, and vLLM's reload takes 0.37-0.41 s. Engine and
-trainer log-probs then agree to 5e-6.
+them. Measured (``mcore-rl bench reshard``, SmolLM2-135M fp32, 0.54 GB, into vLLM on CPU,
+2 cores, trainer TP1 or PP2): a sync takes SYNC_S s. The transfer takes TRANSFER_S s shared
+(checksums only; 0.09-0.11 s through buckets, copying with two writer threads); the
+engine's loading 0.20-0.26 s, of which ~0.17 s is the CPU backend repacking linear
+weights, which any load pays (`mcore_rl.engines.vllm_direct_load`). The naive path
+(gather, write an HF checkpoint, let vLLM reload it) takes 0.6-1.2 s: its write alone runs
+at 0.20-0.25 s or at ~0.44 s from one run to the next on this machine, and vLLM's reload
+takes 0.35-0.41 s. Engine and trainer log-probs then agree to 5e-6.
 
-Memory: the bucket file holds two buckets of at most ``bucket_mb / 2`` each (an engine
-module larger than that, typically the embedding, gets a bucket of its own), so it is at
-most max(bucket_mb, largest tensor + bucket_mb / 2): within one bucket budget plus the
-largest tensor. The engine adds what its loading costs: with vLLM, the repacked copy of one
-module at a time (and, at engine TP > 1, one fused parameter gathered from its pieces).
+Memory: shared, the file is the parameters (moved, not copied) and a sync allocates
+nothing on the trainer side. Buckets: the file holds two buckets of at most
+``bucket_mb / 2`` each (an engine module larger than that, typically the embedding, gets a
+bucket of its own), so it is at most max(bucket_mb, largest tensor + bucket_mb / 2): within
+one bucket budget plus the largest tensor. The engine adds what its loading costs: with
+vLLM, the repacked copy of one module at a time (and, where pieces are not already the
+engine's tensor, one fused parameter gathered from them).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -58,7 +72,13 @@ import torch.distributed as dist
 
 from mcore_rl.reshard.bucket import (WeightSyncError, copy_and_checksum, create_bucket_file,
                                      map_bucket_file, piece_view, remove_bucket_file)
+from mcore_rl.reshard.bucket import checksum as checksum_of
 from mcore_rl.reshard.plan import Holding, Piece, ReshardPlan
+from mcore_rl.reshard.shared_weights import (move_parameters, region_nbytes, sent_parameters,
+                                             shared_transport_problem)
+
+TRANSPORTS = ("auto", "shared", "buckets")
+log = logging.getLogger(__name__)
 
 # (bucket index, mapped bucket [nbytes] uint8, manifest) -> None; called by the controller
 # after the writers' checksums are in and before the engines read the bucket (tests).
@@ -133,13 +153,34 @@ def piece_source(piece: Piece, views: dict) -> torch.Tensor:
     return x
 
 
+def _free_bytes(directory: str) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _check_room(directory: str, nbytes: int, what: str, fix: str) -> None:
+    """A clear error now rather than a SIGBUS when a tmpfs page cannot be allocated later."""
+    free = _free_bytes(directory)
+    if not Path(directory).is_dir():
+        raise ValueError(f"reshard.shm_dir {directory} is not a directory: point it at a "
+                         "tmpfs such as /dev/shm")
+    if free is not None and free < nbytes:
+        raise ValueError(f"{what} needs {nbytes / 2**30:.2f} GiB in {directory}, which has "
+                         f"{free / 2**30:.2f} GiB free: {fix} (docker: --shm-size)")
+
+
 class WeightSync:
     """The plan (built once, collectively) and the per-step `sync` (see module doc)."""
 
     def __init__(self, chunks: list, arch, *, engines: list | None = None, bucket_mb: float = 256.0,
                  wire_dtype: torch.dtype | None = None, shm_dir: str = "/dev/shm",
                  checksum: str = "sum64", overlap: bool = True, writer_threads: int | None = None,
-                 controller: int = 0, group=None):
+                 transport: str = "auto", controller: int = 0, group=None):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown reshard transport {transport!r} (known: {', '.join(TRANSPORTS)})")
         self.chunks = chunks
         self.overlap = overlap
         self.threaded_above = 8 * 2**20
@@ -148,8 +189,7 @@ class WeightSync:
         self.writer_threads = writer_threads or default_writer_threads(group)
         # With several writers, all of them are pool threads and this one waits, holding no
         # GIL: a writer running here would keep the others waiting for it between copies.
-        self._writer_pool = (ThreadPoolExecutor(self.writer_threads, thread_name_prefix="reshard-write")
-                             if self.writer_threads > 1 else None)
+        self._writer_pool: ThreadPoolExecutor | None = None  # started by the first sync
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(group)
         # where the group's backend takes tensors (NCCL: only the current GPU)
@@ -161,22 +201,38 @@ class WeightSync:
         self.checksum = checksum
         if self.rank == controller and not self.engines:
             raise ValueError("the controller rank needs at least one engine to sync into")
-        holdings, _ = local_holdings(chunks, self.rank)
-        everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, holdings, group=group)
+        holdings, views = local_holdings(chunks, self.rank)
         dtype = wire_dtype or next(_unwrap(chunks[0]).parameters()).dtype
-        self.plan = ReshardPlan.build([h for hs in everyone for h in hs], arch,
-                                      int(bucket_mb * 2**20) // 2, dtype)  # two in flight
+        params = [p for c in chunks for p in _unwrap(c).parameters()]
+        self.transport = self._choose_transport(transport, params, holdings, views, dtype, shm_dir)
         name = [f"mcore_rl_reshard_{os.getpid()}_{uuid.uuid4().hex[:8]}"]
         dist.broadcast_object_list(name, src=controller, group=group)
         self.path = str(Path(shm_dir) / name[0])
         # Created, mapped by every trainer rank and engine process, then unlinked: the memory
         # lives exactly as long as someone maps it, so a crashed process leaves nothing behind.
+        offsets: dict = {}
+        self.moved_nbytes = 0
+        """Shared transport: bytes of parameters moved into the file (all ranks)."""
+        if self.transport == "shared":
+            sent = sent_parameters(params, holdings, views)
+            views = None  # no reference to the parameters' old memory: it is freed as they move
+            holdings, offsets = self._share(sent)
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (holdings, offsets), group=group)
+        self.plan = ReshardPlan.build([h for hs, _ in everyone for h in hs], arch,
+                                      int(bucket_mb * 2**20) // 2, dtype)  # two in flight
+        if self.transport == "shared":
+            self.plan.place_in_shared_file({h: at for _, o in everyone for h, at in o.items()},
+                                           self.moved_nbytes)
+            self._pointers_in_file = self._param_pointers()
+        else:
+            _check_room(shm_dir, self.plan.file_nbytes, "the bucket file",
+                        "lower reshard.bucket_mb or give the tmpfs more room")
+            if self.rank == controller:
+                create_bucket_file(self.path, self.plan.file_nbytes)
+            dist.barrier(group=group)
+            self.buffer = map_bucket_file(self.path, self.plan.file_nbytes)
         error = None
-        if self.rank == controller:
-            create_bucket_file(self.path, self.plan.file_nbytes)
-        dist.barrier(group=group)
-        self.buffer = map_bucket_file(self.path, self.plan.file_nbytes)
         if self.rank == controller:
             try:
                 for engine in self.engines:
@@ -188,6 +244,56 @@ class WeightSync:
             remove_bucket_file(self.path)
         self._verdict(error)
 
+    def _choose_transport(self, transport: str, params: list, holdings: list[Holding],
+                          views: dict, dtype: torch.dtype, shm_dir: str) -> str:
+        """"shared" or "buckets", the same on every rank (collective)."""
+        if transport == "buckets":
+            return "buckets"
+        problem = shared_transport_problem(params, holdings, views, dtype)
+        need = 0 if problem else region_nbytes(sent_parameters(params, holdings, views))
+        answers: list = [None] * self.world_size
+        dist.all_gather_object(answers, (problem, need), group=self.group)
+        first = next((f"rank {r}: {p}" for r, (p, _) in enumerate(answers) if p), None)
+        if first is None:
+            total, free = sum(n for _, n in answers), _free_bytes(shm_dir)
+            if free is not None and free < total:
+                first = (f"{shm_dir} has {free / 2**30:.2f} GiB free, the parameters take "
+                         f"{total / 2**30:.2f} GiB")
+        if first is None:
+            return "shared"
+        if transport == "shared":
+            raise ValueError(f"reshard.transport=shared is not possible here ({first}); use "
+                             "reshard.transport=auto, which then streams through buckets")
+        if self.rank == self.controller:
+            log.info("weight sync through shared-memory buckets: the parameters stay where they "
+                     "are (%s)", first)
+        return "buckets"
+
+    def _share(self, sent: list) -> tuple[list, dict]:
+        """Shared transport: move the parameters this rank sends (``sent``) into its region
+        of the file; its holdings again (now views of the file) and their byte offsets in it."""
+        sizes: list = [None] * self.world_size
+        dist.all_gather_object(sizes, region_nbytes(sent), group=self.group)
+        my_rank = dist.get_rank(self.group)
+        start, self.moved_nbytes = sum(sizes[:my_rank]), sum(sizes)
+        if self.rank == self.controller:
+            create_bucket_file(self.path, self.moved_nbytes, allocate=False)
+        dist.barrier(group=self.group)
+        self.buffer = map_bucket_file(self.path, self.moved_nbytes)
+        move_parameters(sent, self.buffer, start)
+        holdings, views = local_holdings(self.chunks, self.rank)
+        base, offsets = self.buffer.data_ptr(), {}
+        for h in holdings:
+            if h.main:
+                at = views[(h.key, h.layer, h.offsets)].data_ptr() - base
+                if not start <= at < start + sizes[my_rank]:
+                    raise RuntimeError(f"{h.key} did not move into the shared weight file")
+                offsets[h] = at
+        return holdings, offsets
+
+    def _param_pointers(self) -> tuple:
+        return tuple(p.data_ptr() for c in self.chunks for p in _unwrap(c).parameters())
+
     @classmethod
     def from_config(cls, chunks: list, arch, cfg, *, engines: list | None = None,
                     group=None) -> "WeightSync":
@@ -197,7 +303,7 @@ class WeightSync:
         return cls(chunks, arch, engines=engines, bucket_mb=cfg.bucket_mb,
                    wire_dtype=DTYPES.get(cfg.wire_dtype), shm_dir=cfg.shm_dir,
                    checksum=cfg.checksum, overlap=cfg.overlap,
-                   writer_threads=cfg.writer_threads, group=group)
+                   writer_threads=cfg.writer_threads, transport=cfg.transport, group=group)
 
     def close(self) -> None:
         """Free the bucket file: every process unmaps it. Collective."""
@@ -219,7 +325,7 @@ class WeightSync:
     def local_views(self) -> dict:
         """Views of this rank's parameters by holding; rebuilt only when a parameter's storage
         moved (e.g. the chunks were wrapped in DDP after this object was built)."""
-        pointers = tuple(p.data_ptr() for c in self.chunks for p in _unwrap(c).parameters())
+        pointers = self._param_pointers()
         if pointers != getattr(self, "_pointers", None):
             self._pointers, self._cached_views = pointers, local_holdings(self.chunks, self.rank)[1]
         return self._cached_views
@@ -318,41 +424,46 @@ class WeightSync:
         return None
 
     def _writes(self, k: int, buffer: torch.Tensor, views: dict) -> list[list]:
-        """This rank's pieces of bucket k as (tensor index, piece index, destination view,
-        source view), split into one list per writer thread with about equal bytes (one list
-        below ``threaded_above`` bytes); built
-        once per bucket and kept while ``views`` stays the same."""
+        """This rank's work on bucket k as (checksum key, destination view, source view):
+        its pieces, copied into the bucket (key: tensor index, piece index), or with the
+        shared transport its parameter regions, only checksummed (key: offset; no source).
+        Split into one list per writer thread with about equal bytes (one list below
+        ``threaded_above`` bytes); built once per bucket and kept while ``views`` stays the
+        same."""
         cache = getattr(self, "_write_cache", None)
         if cache is None or cache[0] is not views or cache[1] is not buffer:
             cache = self._write_cache = (views, buffer, {})
         if k not in cache[2]:
             dtype, writes = self.plan.wire_dtype, []
             size = torch.empty((), dtype=dtype).element_size()
-            for ti, t in enumerate(self.plan.buckets[k].tensors):
+            if self.plan.shared:
+                writes = [(at, buffer[at:at + n], None)
+                          for at, n, rank in self.plan.buckets[k].regions if rank == self.rank]
+            for ti, t in enumerate(self.plan.buckets[k].tensors if not self.plan.shared else ()):
                 for pi, p in enumerate(t.pieces):
                     if p.rank == self.rank:
                         nbytes = int(torch.Size(p.shape).numel()) * size
                         dst = piece_view(buffer, p.offset, nbytes, dtype, p.shape)
                         src = piece_source(p, views)
-                        writes.append((ti, pi, dst.view(src.shape), src))
-            nbytes = sum(dst.numel() * dst.element_size() for _, _, dst, _ in writes)
+                        writes.append(((ti, pi), dst.view(src.shape), src))
+            nbytes = sum(dst.numel() * dst.element_size() for _, dst, _ in writes)
             threads = self.writer_threads if nbytes >= self.threaded_above else 1
             shares: list[list] = [[] for _ in range(threads)]
             load = [0] * len(shares)
-            for w in sorted(writes, key=lambda w: -w[2].numel()):  # largest first, to the least loaded
+            for w in sorted(writes, key=lambda w: -w[1].nbytes):  # largest first, to the least loaded
                 i = load.index(min(load))
                 shares[i].append(w)
-                load[i] += w[2].numel()
+                load[i] += w[1].nbytes
             cache[2][k] = [share for share in shares if share]
         return cache[2][k]
 
     def _write(self, share: list) -> dict:
-        """Copy and checksum one writer thread's share of a bucket."""
+        """Copy (unless shared) and checksum one writer thread's share of a bucket."""
         # Plain tensor ops: no autograd, no torch-function handlers (e.g. a mode that redirects
         # Megatron's CUDA calls) between this loop and the copies it runs (both per thread).
         with torch.no_grad(), torch._C.DisableTorchFunction():
-            return {(ti, pi): copy_and_checksum(dst, src, self.checksum)
-                    for ti, pi, dst, src in share}
+            return {key: checksum_of(dst, self.checksum) if src is None
+                    else copy_and_checksum(dst, src, self.checksum) for key, dst, src in share}
 
     def _one_bucket(self, k: int, buffer: torch.Tensor, views: dict, version: int,
                     stats: SyncStats, hook: BucketHook | None, loader, loading: Future | None):
@@ -360,8 +471,15 @@ class WeightSync:
         t0 = time.perf_counter()
         mine, failure = {}, None
         try:
+            if k == 0 and self.plan.shared and self._param_pointers() != self._pointers_in_file:
+                raise RuntimeError("the parameters moved out of the shared weight file after "
+                                   "WeightSync was built; build it after anything that "
+                                   "reallocates them (e.g. wrapping the model in DDP)")
             shares = self._writes(k, buffer, views)
-            if self._writer_pool is None or len(shares) < 2:
+            if len(shares) > 1 and self._writer_pool is None:
+                self._writer_pool = ThreadPoolExecutor(self.writer_threads,
+                                                       thread_name_prefix="reshard-write")
+            if len(shares) < 2:
                 for share in shares:
                     mine.update(self._write(share))
             else:

@@ -66,7 +66,8 @@ def _stream(rank, world_size, layout, hf_dir, start_dir, wire, hook=None, thread
             error = str(err)
         sync.close()
         result = {"error": error, "holdings": local_holdings(built.chunks, rank)[0],
-                  "plan_buckets": [b.nbytes for b in sync.plan.buckets]}
+                  "plan_buckets": [b.nbytes for b in sync.plan.buckets],
+                  "transport": sync.transport}
         if rank == 0:
             result["params"] = {k: v.clone() for k, v in engine.model.state_dict().items()}
             result["version"], result["consistent"] = engine.weight_version, engine.consistent
@@ -91,22 +92,26 @@ def _flip_one_byte_of_bucket_two(k, buffer, manifest):
         buffer[offset] ^= 0x10
 
 
+@pytest.mark.parametrize("transport", ["shared", "buckets"])
 @pytest.mark.parametrize("variant", ["llama-untied", "qwen2-tied"])
-def test_every_layout_streams_the_exact_hf_tensors_into_the_engine(world, models, variant):
+def test_every_layout_streams_the_exact_hf_tensors_into_the_engine(world, models, variant, transport):
     hf_dir, start_dir, expected = models[variant]
     for name, layout in LAYOUTS.items():
-        results = world.run(_stream, layout, hf_dir, start_dir, "float32")
+        results = world.run(_stream, layout, hf_dir, start_dir, "float32", transport=transport)
         assert all(r["error"] is None for r in results), (name, results[0]["error"])
+        assert {r["transport"] for r in results} == {transport}
         params = results[0]["params"]
         assert results[0]["version"] == 3
         for hf_name, tensor in expected.items():
             assert torch.equal(params[hf_name], tensor), f"{variant} {name}: {hf_name} differs"
 
 
-def test_several_writer_threads_one_bucket_at_a_time_stream_the_same_exact_tensors(world, models):
+@pytest.mark.parametrize("transport", ["shared", "buckets"])
+def test_several_writer_threads_one_bucket_at_a_time_stream_the_same_exact_tensors(world, models,
+                                                                                  transport):
     hf_dir, start_dir, expected = models["qwen2-tied"]
     results = world.run(_stream, LAYOUTS["TP2"], hf_dir, start_dir, "float32",
-                        writer_threads=3, overlap=False, threaded_above=0)
+                        writer_threads=3, overlap=False, threaded_above=0, transport=transport)
     assert results[0]["error"] is None, results[0]["error"]
     for hf_name, tensor in expected.items():
         assert torch.equal(results[0]["params"][hf_name], tensor), hf_name
@@ -169,12 +174,14 @@ def test_at_equal_tp_each_engine_rank_is_fed_by_its_own_trainer_tp_rank(world, m
     assert {r for r, _, _ in engine_param_sources(plan, whole)} == {0, 1}
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_a_corrupted_bucket_fails_the_sync_on_every_rank_and_the_engine_says_so(world, models, overlap):
+@pytest.mark.parametrize("overlap,transport", [(True, "shared"), (True, "buckets"),
+                                               (False, "buckets")])
+def test_a_corrupted_bucket_fails_the_sync_on_every_rank_and_the_engine_says_so(
+        world, models, overlap, transport):
     hf_dir, start_dir, expected = models["llama-untied"]
     results = world.run(_stream, LAYOUTS["TP2xPP2"], hf_dir, start_dir, "float32",
                         _flip_one_byte_of_bucket_two, overlap=overlap, writer_threads=2,
-                        threaded_above=0)
+                        threaded_above=0, transport=transport)
     errors = {r["error"] for r in results}
     assert len(errors) == 1 and None not in errors, "every rank raises the same error"
     message = errors.pop()
@@ -214,3 +221,46 @@ def test_gathering_every_piece_to_one_rank_rebuilds_the_hf_checkpoint(world, mod
     assert all(r is None for r in results[1:])
     assert sorted(results[0]) == sorted(expected)
     assert all(torch.equal(results[0][n], t) for n, t in expected.items())
+
+
+def _shared_misuse(rank, world_size, hf_dir, start_dir):
+    """Shared transport asked for where it cannot be; then parameters reallocated after the
+    `WeightSync` was built. The errors raised, per rank."""
+    from mcore_rl.engines.hf_engine import HFEngine
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.stream import WeightSync
+
+    ctx = initialize_parallel(tp=2, pp=2)
+    built = build_model(hf_dir, ctx)
+    engines = [HFEngine(start_dir)] if rank == 0 else None
+    out = {}
+    try:
+        try:
+            WeightSync(built.chunks, built.spec.arch, engines=engines, bucket_mb=BUCKET_MB,
+                       wire_dtype=torch.bfloat16, transport="shared")
+        except ValueError as err:
+            out["unshareable"] = str(err)
+        with WeightSync(built.chunks, built.spec.arch, engines=engines, bucket_mb=BUCKET_MB,
+                        transport="shared") as sync:
+            if rank == 3:
+                param = next(built.chunks[0].parameters())
+                param.data = param.data.clone()
+            try:
+                sync.sync(version=1)
+            except WeightSyncError as err:
+                out["moved"] = str(err)
+        return out
+    finally:
+        destroy_parallel()
+
+
+def test_shared_transport_misuse_fails_with_the_reason_on_every_rank(world, models):
+    hf_dir, start_dir, _ = models["qwen2-tied"]
+    results = world.run(_shared_misuse, hf_dir, start_dir)
+    assert len({r.get("unshareable") for r in results}) == 1
+    assert "reshard.transport=shared is not possible here (rank 0:" in results[0]["unshareable"]
+    assert "the engine takes torch.bfloat16" in results[0]["unshareable"]
+    assert len({r.get("moved") for r in results}) == 1
+    assert "rank 3" in results[0]["moved"]
+    assert "moved out of the shared weight file" in results[0]["moved"]

@@ -149,7 +149,7 @@ def _step_and_sync(rank, world_size, variant, hf_dir, pid_file, layout, work):
         return {"before": [[s.token_ids for s in r] for r in before],
                 "after": [[s.token_ids for s in r] for r in after],
                 "versions": [{s.weight_version for s in r} for r in after], "reports": reports,
-                "modes": [e.load_mode for e in engines],
+                "modes": [e.load_mode for e in engines], "transport": sync.transport,
                 "buckets": stats.buckets, "exported": f"{work}/hf"}
     finally:
         destroy_parallel()
@@ -163,6 +163,7 @@ def test_after_a_step_vllm_greedy_equals_hf_greedy_of_the_exported_weights(world
         result = world.run(_step_and_sync, variant, hf_dirs[variant], PID_FILE, layout,
                            str(tmp_path / name))[0]
         assert result["buckets"] > 3, "the model must span several buckets"
+        assert result["transport"] == "shared", "CPU parameters that own their memory are shared"
         exported = hf_greedy(result["exported"])
         for i, (engine_tp, _) in enumerate(REPLICAS[variant]):
             where = f"{variant} trainer {name} -> engine TP{engine_tp}"
