@@ -103,7 +103,8 @@ class ReshardConfig:
     """Size of the shared-memory bucket weights travel through; bounds the extra memory of a
     sync (an engine module larger than this gets a bucket of its own)."""
     shm_dir: str = "/dev/shm"
-    """Directory of the bucket file (a tmpfs: RAM, no disk)."""
+    """Directory of the file weights reach the engine through (a tmpfs: RAM, no disk): the
+    bucket file, or with the shared transport the trainer's parameters."""
     transport: Literal["auto", "shared", "buckets"] = "auto"
     """How weights reach the engine. shared: the trainer's parameters are moved into a
     shared-memory file the engine maps, and a sync only checksums them (CPU parameters that

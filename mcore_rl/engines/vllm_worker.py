@@ -4,8 +4,9 @@ vLLM is started with ``worker_extension_cls="mcore_rl.engines.vllm_worker.Reshar
 its methods become ``collective_rpc`` targets on every worker (every engine TP rank). Their
 arguments are plain Python (paths, manifests), which is what ``collective_rpc`` can carry
 to multi-process workers (tensors in its kwargs arrive as lists there); the tensors
-themselves are read from the shared-memory bucket file (`mcore_rl.reshard.bucket`), which
-each worker maps once (``mcore_rl_attach_buffer``) and keeps mapped from one sync to the next.
+themselves are read from the shared-memory file (`mcore_rl.reshard.bucket`: buckets, or
+with the shared transport the trainer's parameters), which each worker maps once
+(``mcore_rl_attach_buffer``) and keeps mapped from one sync to the next.
 
 One sync is one session, in one of two ways, chosen when it begins:
 
@@ -21,7 +22,8 @@ One sync is one session, in one of two ways, chosen when it begins:
   with HF-named views of the bucket, and a layer whose weights are complete is
   materialised, loaded, processed and copied into the original storage. Layers still
   waiting (vocabulary rows padded by vLLM are never "complete": they finish at the end)
-  would keep views of the bucket file, which the next bucket overwrites: those are copied.
+  would keep views of the file, which the next bucket (or the trainer's next step)
+  overwrites: those are copied.
   ``finalize_layerwise_reload`` at the end processes what is left.
 
 Either way, with tied embeddings the output head shares the embedding's weight but is never

@@ -40,9 +40,9 @@ and no engine is left half-updated silently.
 Overlapping writes and loads (``reshard.overlap``, default on) hides the shorter of the two
 where writer and engine have cores of their own; on 2 shared cores they also compete for
 them. Measured (``mcore-rl bench reshard``, SmolLM2-135M fp32, 0.54 GB, into vLLM on CPU,
-2 cores, trainer TP1 or PP2): a sync takes SYNC_S s. The transfer takes TRANSFER_S s shared
-(checksums only; 0.09-0.11 s through buckets, copying with two writer threads); the
-engine's loading 0.20-0.26 s, of which ~0.17 s is the CPU backend repacking linear
+2 cores, trainer TP1 or PP2): a sync takes 0.25-0.29 s. The transfer takes 0.03-0.06 s
+shared (checksums only; 0.09-0.11 s through buckets, copying with two writer threads); the
+engine's loading 0.21-0.24 s, of which ~0.17 s is the CPU backend repacking linear
 weights, which any load pays (`mcore_rl.engines.vllm_direct_load`). The naive path
 (gather, write an HF checkpoint, let vLLM reload it) takes 0.6-1.2 s: its write alone runs
 at 0.20-0.25 s or at ~0.44 s from one run to the next on this machine, and vLLM's reload
