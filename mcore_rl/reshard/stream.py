@@ -14,7 +14,11 @@ lives as long as its mappings. Two transports (``reshard.transport``):
 - **buckets** (otherwise, e.g. GPU parameters, Megatron's distributed optimizer, or a wire
   dtype other than the parameters'): the file holds two buckets, reused by every sync
   (allocating tmpfs pages costs more than copying into them, ~0.7 s per GB here), and
-  writers copy their pieces into them, casting to the wire dtype.
+  writers copy their pieces into them, casting to the wire dtype. Trainer ranks on other
+  nodes than the controller cannot map the file: they copy their pieces into a staging
+  buffer of their own and send them to the controller over the process group, which
+  receives them straight into the bucket (`mcore_rl.reshard.relay`; auto then picks
+  buckets).
 
 One sync is one engine update session:
 
@@ -74,6 +78,7 @@ from mcore_rl.reshard.bucket import (WeightSyncError, copy_and_checksum, create_
                                      map_bucket_file, piece_view, remove_bucket_file)
 from mcore_rl.reshard.bucket import checksum as checksum_of
 from mcore_rl.reshard.plan import Holding, Piece, ReshardPlan
+from mcore_rl.reshard.relay import Relay, ranks_beside
 from mcore_rl.reshard.shared_weights import (move_parameters, region_nbytes, sent_parameters,
                                              shared_transport_problem)
 
@@ -161,15 +166,16 @@ def _free_bytes(directory: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _check_room(directory: str, nbytes: int, what: str, fix: str) -> None:
-    """A clear error now rather than a SIGBUS when a tmpfs page cannot be allocated later."""
-    free = _free_bytes(directory)
+def _room_problem(directory: str, nbytes: int, what: str, fix: str) -> str | None:
+    """Why ``directory`` cannot take ``nbytes`` more (None: it can): a clear error now rather
+    than a SIGBUS when a tmpfs page cannot be allocated later."""
     if not Path(directory).is_dir():
-        raise ValueError(f"reshard.shm_dir {directory} is not a directory: point it at a "
-                         "tmpfs such as /dev/shm")
+        return f"reshard.shm_dir {directory} is not a directory: point it at a tmpfs such as /dev/shm"
+    free = _free_bytes(directory)
     if free is not None and free < nbytes:
-        raise ValueError(f"{what} needs {nbytes / 2**30:.2f} GiB in {directory}, which has "
-                         f"{free / 2**30:.2f} GiB free: {fix} (docker: --shm-size)")
+        return (f"{what} needs {nbytes / 2**30:.2f} GiB in {directory}, which has "
+                f"{free / 2**30:.2f} GiB free: {fix} (docker: --shm-size)")
+    return None
 
 
 class WeightSync:
@@ -178,7 +184,8 @@ class WeightSync:
     def __init__(self, chunks: list, arch, *, engines: list | None = None, bucket_mb: float = 256.0,
                  wire_dtype: torch.dtype | None = None, shm_dir: str = "/dev/shm",
                  checksum: str = "sum64", overlap: bool = True, writer_threads: int | None = None,
-                 transport: str = "auto", controller: int = 0, group=None):
+                 transport: str = "auto", controller: int = 0, group=None,
+                 local_ranks: set[int] | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown reshard transport {transport!r} (known: {', '.join(TRANSPORTS)})")
         self.chunks = chunks
@@ -201,6 +208,12 @@ class WeightSync:
         self.checksum = checksum
         if self.rank == controller and not self.engines:
             raise ValueError("the controller rank needs at least one engine to sync into")
+        # ranks that can map a file in the controller's tmpfs (None: those on its host); the
+        # others relay their pieces over the process group (`mcore_rl.reshard.relay`)
+        everyone_ranks = (dist.get_process_group_ranks(group) if group is not None
+                          else list(range(self.world_size)))
+        local = set(local_ranks) if local_ranks is not None else ranks_beside(controller, group)
+        self.remote = set(everyone_ranks) - local
         holdings, views = local_holdings(chunks, self.rank)
         dtype = wire_dtype or next(_unwrap(chunks[0]).parameters()).dtype
         params = [p for c in chunks for p in _unwrap(c).parameters()]
@@ -226,12 +239,16 @@ class WeightSync:
                                            self.moved_nbytes)
             self._pointers_in_file = self._param_pointers()
         else:
-            _check_room(shm_dir, self.plan.file_nbytes, "the bucket file",
-                        "lower reshard.bucket_mb or give the tmpfs more room")
+            self._raise_if_any(None if self.rank in self.remote else _room_problem(
+                shm_dir, self.plan.file_nbytes, "the bucket file",
+                "lower reshard.bucket_mb or give the tmpfs more room"))
             if self.rank == controller:
                 create_bucket_file(self.path, self.plan.file_nbytes)
             dist.barrier(group=group)
-            self.buffer = map_bucket_file(self.path, self.plan.file_nbytes)
+            self.buffer = (None if self.rank in self.remote
+                           else map_bucket_file(self.path, self.plan.file_nbytes))
+        self._relay = (Relay(self.plan, self.rank, controller, self.remote, group)
+                       if self.remote else None)
         error = None
         if self.rank == controller:
             try:
@@ -250,6 +267,9 @@ class WeightSync:
         if transport == "buckets":
             return "buckets"
         problem = shared_transport_problem(params, holdings, views, dtype)
+        if self.rank in self.remote:
+            problem = ("it is on another node than the engine, whose tmpfs it cannot map (its "
+                       "pieces travel over the process group)")
         need = 0 if problem else region_nbytes(sent_parameters(params, holdings, views))
         answers: list = [None] * self.world_size
         dist.all_gather_object(answers, (problem, need), group=self.group)
@@ -331,6 +351,14 @@ class WeightSync:
         return self._cached_views
 
     # ----- collective helpers -------------------------------------------------------
+    def _raise_if_any(self, problem: str | None) -> None:
+        """Raise ValueError on every rank if any rank has a ``problem`` (the first one)."""
+        problems: list = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        first = next((p for p in problems if p), None)
+        if first is not None:
+            raise ValueError(first)
+
     def _verdict(self, error: str | None) -> None:
         """The controller's ``error`` (None: carry on) raised on every rank: a one-byte
         broadcast, and the message itself only when there is one."""
@@ -439,7 +467,13 @@ class WeightSync:
             if self.plan.shared:
                 writes = [(at, buffer[at:at + n], None)
                           for at, n, rank in self.plan.buckets[k].regions if rank == self.rank]
-            for ti, t in enumerate(self.plan.buckets[k].tensors if not self.plan.shared else ()):
+            elif self._relay is not None and self._relay.sends:  # into staging, then sent
+                staging = dict(self._relay.staging_views(k))
+                for ti, pi, p in self._relay.pieces(k, {self.rank}):
+                    src = piece_source(p, views)
+                    writes.append(((ti, pi), staging[(ti, pi)].view(src.shape), src))
+            local = not self.plan.shared and not (self._relay is not None and self._relay.sends)
+            for ti, t in enumerate(self.plan.buckets[k].tensors if local else ()):
                 for pi, p in enumerate(t.pieces):
                     if p.rank == self.rank:
                         nbytes = int(torch.Size(p.shape).numel()) * size
@@ -489,6 +523,14 @@ class WeightSync:
                     mine.update(job.result())
         except Exception as err:  # noqa: BLE001 - reported through the controller
             failure = f"rank {self.rank} writing bucket {k + 1}: {err!r}"
+        if self._relay is not None:  # even after a failure: nobody waits for a missing piece
+            try:
+                if self._relay.sends:
+                    self._relay.send(k)
+                elif self.rank == self.controller:
+                    self._relay.receive(k, buffer)
+            except Exception as err:  # noqa: BLE001
+                failure = failure or f"rank {self.rank} relaying bucket {k + 1}: {err!r}"
         gathered = self._gather_to_controller((mine, failure))
         error = None
         if self.rank == self.controller:

@@ -264,3 +264,59 @@ def test_shared_transport_misuse_fails_with_the_reason_on_every_rank(world, mode
     assert len({r.get("moved") for r in results}) == 1
     assert "rank 3" in results[0]["moved"]
     assert "moved out of the shared weight file" in results[0]["moved"]
+
+
+def _relayed(rank, world_size, layout, hf_dir, start_dir, wire, fail_rank=None):
+    """Ranks 2 and 3 stand for another node: they cannot map the bucket file and relay."""
+    from mcore_rl.engines.hf_engine import HFEngine
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.stream import WeightSync
+
+    ctx = initialize_parallel(tp=layout[0], pp=layout[1])
+    built = build_model(hf_dir, ctx)
+    engine = HFEngine(start_dir) if rank == 0 else None
+    try:
+        with WeightSync(built.chunks, built.spec.arch, engines=[engine] if engine else None,
+                        bucket_mb=BUCKET_MB, wire_dtype=getattr(torch, wire),
+                        local_ranks={0, 1}) as sync:
+            if rank == fail_rank:
+                def broken(share):
+                    raise RuntimeError("staging copy failed")
+                sync._write = broken
+            out = {"transport": sync.transport, "maps_file": sync.buffer is not None}
+            try:
+                sync.sync(version=4)
+                out["error"] = None
+            except WeightSyncError as err:
+                out["error"] = str(err)
+        if rank == 0:
+            out["params"] = {k: v.clone() for k, v in engine.model.state_dict().items()}
+            out["version"] = engine.weight_version
+        return out
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("layout", ["PP2", "TP2xPP2"])
+def test_ranks_on_another_node_relay_their_pieces_and_the_engine_gets_the_exact_tensors(
+        world, models, layout):
+    hf_dir, start_dir, expected = models["llama-untied"]
+    results = world.run(_relayed, LAYOUTS[layout][:2], hf_dir, start_dir, "float32")
+    assert [r["error"] for r in results] == [None] * 4, results[0]["error"]
+    assert {r["transport"] for r in results} == {"buckets"}
+    assert [r["maps_file"] for r in results] == [True, True, False, False]
+    assert results[0]["version"] == 4
+    for hf_name, tensor in expected.items():
+        assert torch.equal(results[0]["params"][hf_name], tensor), f"{layout}: {hf_name}"
+
+
+def test_a_relaying_rank_that_fails_fails_the_sync_everywhere_without_a_hang(world, models):
+    hf_dir, start_dir, _ = models["qwen2-tied"]
+    results = world.run(_relayed, LAYOUTS["TP2xPP2"][:2], hf_dir, start_dir, "bfloat16",
+                        fail_rank=3)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1 and None not in errors
+    message = errors.pop()
+    assert "rank 3 writing bucket" in message and "staging copy failed" in message
+    assert results[0]["version"] is None
