@@ -37,9 +37,11 @@ Checksums (``reshard.checksum``):
 from __future__ import annotations
 
 import os
+import warnings
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,7 +66,7 @@ class BucketReader:
 
     def open(self, path: str, nbytes: int) -> torch.Tensor:
         if self.key != (path, nbytes):
-            self.buffer, self.key = map_bucket_file(path, nbytes), (path, nbytes)
+            self.buffer, self.key = map_bucket_file(path, nbytes, writable=False), (path, nbytes)
         return self.buffer
 
     def close(self) -> None:
@@ -173,9 +175,16 @@ def create_bucket_file(path: str | Path, nbytes: int, allocate: bool = True) -> 
         os.close(fd)
 
 
-def map_bucket_file(path: str | Path, nbytes: int) -> torch.Tensor:
-    """The file as a shared uint8 tensor [nbytes] (writes are visible to every mapper)."""
-    return torch.from_file(str(path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+def map_bucket_file(path: str | Path, nbytes: int, writable: bool = True) -> torch.Tensor:
+    """The file as a shared uint8 tensor [nbytes] (writes are visible to every mapper).
+    ``writable=False`` (engines): a read-only mapping, where a stray write faults instead of
+    changing the weights, which with the shared transport are the trainer's parameters."""
+    if writable:
+        return torch.from_file(str(path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+    array = np.memmap(path, dtype=np.uint8, mode="r", shape=(max(nbytes, 1),))
+    with warnings.catch_warnings():  # torch warns that the array is not writable: intended
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
 
 
 def remove_bucket_file(path: str | Path) -> None:

@@ -42,10 +42,17 @@ class Relay:
         self.remote = frozenset(remote)
         # p2p over the trainer's group where it takes CPU tensors; a gloo twin otherwise
         # (creating it is collective: every rank builds the Relay)
-        self.group = group if dist.get_backend(group) == "gloo" else dist.new_group(
-            ranks=None if group is None else dist.get_process_group_ranks(group), backend="gloo")
+        self._own_group = dist.get_backend(group) != "gloo"
+        self.group = group if not self._own_group else dist.new_group(
+            ranks=None if group is None else dist.get_process_group_ranks(group), backend="gloo",
+            use_local_synchronization=group is not None)
         self._staging: torch.Tensor | None = None
         self._layout: dict[int, list[tuple[int, int, int, int]]] = {}
+
+    def close(self) -> None:
+        if self._own_group:
+            dist.destroy_process_group(self.group)
+        self._staging = None
 
     @property
     def sends(self) -> bool:

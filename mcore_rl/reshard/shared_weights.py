@@ -66,7 +66,7 @@ def shared_transport_problem(params: list[torch.nn.Parameter], holdings: list[Ho
     for p in sent_parameters(params, holdings, views):
         if p.storage_offset() or p.untyped_storage().nbytes() != p.numel() * p.element_size():
             return ("the parameters are views of one flat buffer (Megatron's distributed "
-                    "optimizer), which is not moved")
+                    "optimizer, or the shared file of an earlier WeightSync), which is not moved")
     return None
 
 

@@ -210,10 +210,14 @@ class WeightSync:
             raise ValueError("the controller rank needs at least one engine to sync into")
         # ranks that can map a file in the controller's tmpfs (None: those on its host); the
         # others relay their pieces over the process group (`mcore_rl.reshard.relay`)
-        everyone_ranks = (dist.get_process_group_ranks(group) if group is not None
-                          else list(range(self.world_size)))
+        self._ranks = (dist.get_process_group_ranks(group) if group is not None
+                       else list(range(self.world_size)))
+        """Global ranks, in the group's order."""
         local = set(local_ranks) if local_ranks is not None else ranks_beside(controller, group)
-        self.remote = set(everyone_ranks) - local
+        if controller not in local:
+            raise ValueError(f"local_ranks {sorted(local)} must include the controller "
+                             f"(rank {controller}), which holds the engines")
+        self.remote = set(self._ranks) - local
         holdings, views = local_holdings(chunks, self.rank)
         dtype = wire_dtype or next(_unwrap(chunks[0]).parameters()).dtype
         params = [p for c in chunks for p in _unwrap(c).parameters()]
@@ -227,9 +231,9 @@ class WeightSync:
         self.moved_nbytes = 0
         """Shared transport: bytes of parameters moved into the file (all ranks)."""
         if self.transport == "shared":
-            sent = sent_parameters(params, holdings, views)
+            self._moved = sent_parameters(params, holdings, views)
             views = None  # no reference to the parameters' old memory: it is freed as they move
-            holdings, offsets = self._share(sent)
+            holdings, offsets = self._share(self._moved)
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, (holdings, offsets), group=group)
         self.plan = ReshardPlan.build([h for hs, _ in everyone for h in hs], arch,
@@ -266,16 +270,23 @@ class WeightSync:
         """"shared" or "buckets", the same on every rank (collective)."""
         if transport == "buckets":
             return "buckets"
-        problem = shared_transport_problem(params, holdings, views, dtype)
-        if self.rank in self.remote:
-            problem = ("it is on another node than the engine, whose tmpfs it cannot map (its "
-                       "pieces travel over the process group)")
-        need = 0 if problem else region_nbytes(sent_parameters(params, holdings, views))
+        need = 0
+        try:
+            problem = shared_transport_problem(params, holdings, views, dtype)
+            if self.rank in self.remote:
+                problem = ("it is on another node than the engine, whose tmpfs it cannot map "
+                           "(its pieces travel over the process group)")
+            if not problem:
+                need = region_nbytes(sent_parameters(params, holdings, views))
+        except Exception as err:  # noqa: BLE001 - every rank decides the same below
+            problem = f"{type(err).__name__}: {err}"
         answers: list = [None] * self.world_size
-        dist.all_gather_object(answers, (problem, need), group=self.group)
-        first = next((f"rank {r}: {p}" for r, (p, _) in enumerate(answers) if p), None)
-        if first is None:
-            total, free = sum(n for _, n in answers), _free_bytes(shm_dir)
+        dist.all_gather_object(answers, (problem, need, _free_bytes(shm_dir)), group=self.group)
+        first = next((f"rank {self._ranks[r]}: {p}" for r, (p, _, _) in enumerate(answers) if p),
+                     None)
+        if first is None:  # the controller's tmpfs holds the file
+            total = sum(n for _, n, _ in answers)
+            free = answers[self._ranks.index(self.controller)][2]
             if free is not None and free < total:
                 first = (f"{shm_dir} has {free / 2**30:.2f} GiB free, the parameters take "
                          f"{total / 2**30:.2f} GiB")
@@ -299,20 +310,29 @@ class WeightSync:
         if self.rank == self.controller:
             create_bucket_file(self.path, self.moved_nbytes, allocate=False)
         dist.barrier(group=self.group)
-        self.buffer = map_bucket_file(self.path, self.moved_nbytes)
-        move_parameters(sent, self.buffer, start)
-        holdings, views = local_holdings(self.chunks, self.rank)
-        base, offsets = self.buffer.data_ptr(), {}
-        for h in holdings:
-            if h.main:
-                at = views[(h.key, h.layer, h.offsets)].data_ptr() - base
-                if not start <= at < start + sizes[my_rank]:
-                    raise RuntimeError(f"{h.key} did not move into the shared weight file")
-                offsets[h] = at
+        holdings, offsets, problem = [], {}, None
+        try:  # a failure here is raised on every rank, not only this one (no rank hangs)
+            self.buffer = map_bucket_file(self.path, self.moved_nbytes)
+            move_parameters(sent, self.buffer, start)
+            holdings, views = local_holdings(self.chunks, self.rank)
+            base = self.buffer.data_ptr()
+            for h in holdings:
+                if h.main:
+                    at = views[(h.key, h.layer, h.offsets)].data_ptr() - base
+                    if not start <= at < start + sizes[my_rank]:
+                        raise RuntimeError(f"{h.key} did not move into the shared weight file")
+                    offsets[h] = at
+        except Exception as err:  # noqa: BLE001
+            problem = f"rank {self.rank} moving its parameters into {self.path}: {err!r}"
+        self._raise_if_any(problem)
         return holdings, offsets
 
     def _param_pointers(self) -> tuple:
-        return tuple(p.data_ptr() for c in self.chunks for p in _unwrap(c).parameters())
+        """Where the moved parameters' data is (shared transport), or every parameter's."""
+        params = getattr(self, "_moved", None)
+        if params is None:
+            params = [p for c in self.chunks for p in _unwrap(c).parameters()]
+        return tuple(p.data_ptr() for p in params)
 
     @classmethod
     def from_config(cls, chunks: list, arch, cfg, *, engines: list | None = None,
@@ -335,6 +355,9 @@ class WeightSync:
             for engine in self.engines:
                 engine.release_update_buffer()
         dist.barrier(group=self.group)
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
 
     def __enter__(self) -> "WeightSync":
         return self
@@ -542,11 +565,15 @@ class WeightSync:
                 error = self._abort(version, f"bucket {k + 1}/{len(self.plan.buckets)} "
                                              f"({failures[0]})")
             if error is None:
-                sums = {key: value for m, _ in gathered for key, value in m.items()}
-                manifest = self.plan.manifest(k, sums, version, self.checksum)
-                if hook is not None:
-                    hook(k, buffer, manifest)
-                loading = loader.submit(self._load, manifest)
+                try:
+                    sums = {key: value for m, _ in gathered for key, value in m.items()}
+                    manifest = self.plan.manifest(k, sums, version, self.checksum)
+                    if hook is not None:
+                        hook(k, buffer, manifest)
+                    loading = loader.submit(self._load, manifest)
+                except Exception as err:  # noqa: BLE001 - raised on every rank below
+                    error = self._abort(version, f"bucket {k + 1}/{len(self.plan.buckets)} "
+                                                 f"({err!r})")
                 if not self.overlap:  # bucket k is loaded before anyone writes k+1
                     error = self._wait(loading, version, k + 1, stats)
                     loading = None

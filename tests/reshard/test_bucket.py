@@ -99,3 +99,22 @@ def test_a_corrupted_piece_is_named_in_the_error(tmp_path):
     with pytest.raises(BucketChecksumError, match="bucket 1/1 of weight version 4: piece 0 of "
                                                   "model.norm.weight"):
         check_manifest(buffer, manifest)
+
+
+def test_engines_map_the_file_read_only_so_a_stray_write_faults_instead_of_changing_weights(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "file"
+    create_bucket_file(path, 4096)
+    writer = map_bucket_file(path, 4096)
+    writer[:8] = 7
+    script = ("import sys; from mcore_rl.reshard.bucket import BucketReader; "
+              "b = BucketReader().open(sys.argv[1], 4096); "
+              "assert int(b[:8].sum()) == 56, 'the reader sees the writer'; print('read', flush=True); "
+              "b[0] = 1")
+    proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True)
+    assert proc.stdout.strip() == "read", proc.stderr
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr[-500:])
+    assert writer[:8].tolist() == [7] * 8

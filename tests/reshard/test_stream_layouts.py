@@ -243,8 +243,8 @@ def _shared_misuse(rank, world_size, hf_dir, start_dir):
             out["unshareable"] = str(err)
         with WeightSync(built.chunks, built.spec.arch, engines=engines, bucket_mb=BUCKET_MB,
                         transport="shared") as sync:
-            if rank == 3:
-                param = next(built.chunks[0].parameters())
+            if rank == 3:  # a TP shard: rank 3 sends it
+                param = built.chunks[0].decoder.layers[0].self_attention.linear_qkv.weight
                 param.data = param.data.clone()
             try:
                 sync.sync(version=1)
