@@ -206,8 +206,8 @@ class WeightSync:
         self.group = group
         self.engines = list(engines or [])
         self.checksum = checksum
-        if self.rank == controller and not self.engines:
-            raise ValueError("the controller rank needs at least one engine to sync into")
+        self._raise_if_any("the controller rank needs at least one engine to sync into"
+                           if self.rank == controller and not self.engines else None)
         # ranks that can map a file in the controller's tmpfs (None: those on its host); the
         # others relay their pieces over the process group (`mcore_rl.reshard.relay`)
         self._ranks = (dist.get_process_group_ranks(group) if group is not None

@@ -236,6 +236,10 @@ def _shared_misuse(rank, world_size, hf_dir, start_dir):
     engines = [HFEngine(start_dir)] if rank == 0 else None
     out = {}
     try:
+        try:  # no engine given to the controller
+            WeightSync(built.chunks, built.spec.arch, bucket_mb=BUCKET_MB)
+        except ValueError as err:
+            out["no_engine"] = str(err)
         try:
             WeightSync(built.chunks, built.spec.arch, engines=engines, bucket_mb=BUCKET_MB,
                        wire_dtype=torch.bfloat16, transport="shared")
@@ -258,6 +262,8 @@ def _shared_misuse(rank, world_size, hf_dir, start_dir):
 def test_shared_transport_misuse_fails_with_the_reason_on_every_rank(world, models):
     hf_dir, start_dir, _ = models["qwen2-tied"]
     results = world.run(_shared_misuse, hf_dir, start_dir)
+    assert [r.get("no_engine") for r in results] == \
+        ["the controller rank needs at least one engine to sync into"] * 4
     assert len({r.get("unshareable") for r in results}) == 1
     assert "reshard.transport=shared is not possible here (rank 0:" in results[0]["unshareable"]
     assert "the engine takes torch.bfloat16" in results[0]["unshareable"]
