@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 import traceback
@@ -30,6 +31,10 @@ ERROR_GRACE_S = 15.0  # how long the other ranks may still answer after one fail
 
 def _worker(rank: int, world_size: int, port: int, conn, env: dict[str, str],
             threads: int) -> None:
+    try:  # a process group of its own: killing the rank kills what it started too
+        os.setpgid(0, 0)
+    except OSError:
+        pass
     os.environ.update(env)
     _exit_with_parent()
     os.environ.update(
@@ -67,9 +72,22 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
+        _kill_group(os.getpid())
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL a rank and every process it started (e.g. the multiprocessing manager
+    Megatron's checkpoint saving starts, which would otherwise outlive a killed rank)."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+            return
+    except (ProcessLookupError, PermissionError):
+        return
+    os.kill(pid, signal.SIGKILL)
 
 
 class RankFailure(AssertionError):
@@ -156,6 +174,6 @@ class SharedWorld:
         for p in self._procs:
             p.join(timeout=0 if kill else 10)
             if p.is_alive():
-                p.kill()
+                _kill_group(p.pid)
                 p.join(timeout=5)
         self._procs, self._conns = [], []

@@ -82,3 +82,35 @@ def test_ranks_blocked_in_a_collective_exit_when_the_controlling_process_is_kill
         alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
                  open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     assert not alive, f"ranks {alive} outlived their controller"
+
+
+_HELPERS = []
+
+
+def _start_a_helper_process(rank, world_size):
+    """What Megatron's checkpoint saving does: a multiprocessing manager, kept for later."""
+    import multiprocessing as mp
+
+    manager = mp.get_context("spawn").Manager()
+    _HELPERS.append(manager)
+    return manager._process.pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_torn_down_world_takes_the_processes_its_ranks_started_with_it():
+    with SharedWorld(2, timeout_s=60) as world:
+        helpers = world.run(_start_a_helper_process)
+        assert all(_alive(pid) for pid in helpers)
+        with pytest.raises(RankFailure):
+            world.run(_rank1_raises_while_rank0_waits_in_a_collective)  # ranks killed
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in helpers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in helpers), "a killed rank left its helper behind"
