@@ -574,8 +574,9 @@ class WeightSync:
                 except Exception as err:  # noqa: BLE001 - raised on every rank below
                     error = self._abort(version, f"bucket {k + 1}/{len(self.plan.buckets)} "
                                                  f"({err!r})")
-                if not self.overlap:  # bucket k is loaded before anyone writes k+1
-                    error = self._wait(loading, version, k + 1, stats)
-                    loading = None
+                else:
+                    if not self.overlap:  # bucket k is loaded before anyone writes k+1
+                        error = self._wait(loading, version, k + 1, stats)
+                        loading = None
         self._verdict(error)
         return loading

@@ -194,6 +194,22 @@ def test_a_corrupted_bucket_fails_the_sync_on_every_rank_and_the_engine_says_so(
     assert not torch.equal(params["model.norm.weight"], expected["model.norm.weight"])
 
 
+def _controller_fails_at_bucket_two(k, buffer, manifest):
+    if k == 2:
+        raise RuntimeError("manifest lost")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_controller_side_failure_fails_the_sync_on_every_rank(world, models, overlap):
+    hf_dir, start_dir, _ = models["llama-untied"]
+    results = world.run(_stream, LAYOUTS["TP2xPP2"], hf_dir, start_dir, "float32",
+                        _controller_fails_at_bucket_two, overlap=overlap)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1 and None not in errors, errors
+    assert "bucket 3/" in errors.pop()
+    assert results[0]["version"] is None and not results[0]["consistent"]
+
+
 def _gathered(rank, world_size, layout, hf_dir):
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
