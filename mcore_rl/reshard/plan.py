@@ -89,6 +89,19 @@ class Piece:
     def rank(self) -> int:
         return self.holding.rank
 
+    def nbytes(self, dtype: torch.dtype) -> int:
+        return _nbytes(self.shape, dtype)
+
+    def cut(self, x: torch.Tensor) -> torch.Tensor:
+        """This piece's part of ``x``, its holding's tensor (a view)."""
+        kind = self.select[0]
+        if kind == "rows":
+            return x[:self.select[1]]
+        if kind == "qkv":
+            a, b = self.select[1:]
+            return x.view(self.shape[0] // (b - a), -1, *x.shape[1:])[:, a:b]
+        return x
+
 
 @dataclass
 class TensorEntry:
@@ -249,11 +262,11 @@ class ReshardPlan:
         tensors = []
         for ti, t in enumerate(self.buckets[bucket].tensors):
             if self.shared:
-                pieces = [[p.offset, _nbytes(p.shape, self.wire_dtype), list(p.shape), None,
+                pieces = [[p.offset, p.nbytes(self.wire_dtype), list(p.shape), None,
                            None if p.layout is None else [list(p.layout[0]), list(p.layout[1])]]
                           for p in t.pieces]
             else:
-                pieces = [[p.offset, _nbytes(p.shape, self.wire_dtype), list(p.shape),
+                pieces = [[p.offset, p.nbytes(self.wire_dtype), list(p.shape),
                            sums[(ti, pi)]] for pi, p in enumerate(t.pieces)]
             tensors.append([t.hf_name, dtype, list(t.shape), t.axis, pieces])
         out = {"bucket": bucket, "num_buckets": len(self.buckets), "version": version,
@@ -288,17 +301,11 @@ def _runs(regions: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 
 
 def _in_holding(p: Piece, at: int, size: int) -> Piece:
-    """``p`` placed in its holding, which starts at byte ``at`` of the shared file."""
-    if p.select[0] != "qkv":  # the whole holding, or its first rows
-        return replace(p, offset=at, layout=None)
-    a, b = p.select[1:]
-    rest = p.holding.shape[1:]
-    row = _numel(rest)
-    per_group = p.holding.shape[0] // (p.shape[0] // (b - a))
-    groups = p.holding.shape[0] // per_group
-    inner = [_numel(rest[i + 1:]) for i in range(len(rest))]
-    return replace(p, offset=at + a * row * size,
-                   layout=((groups, b - a, *rest), (per_group * row, row, *inner)))
+    """``p`` placed in its holding, which starts at byte ``at`` of the shared file: where
+    its cut of a (meta) tensor of the holding's shape lies, and its strides if not contiguous."""
+    part = p.cut(torch.empty(p.holding.shape, device="meta"))
+    layout = None if part.is_contiguous() else (tuple(part.shape), tuple(part.stride()))
+    return replace(p, offset=at + part.storage_offset() * size, layout=layout)
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:

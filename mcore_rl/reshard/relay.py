@@ -63,18 +63,15 @@ class Relay:
         return [(ti, pi, p) for ti, t in enumerate(self.plan.buckets[k].tensors)
                 for pi, p in enumerate(t.pieces) if p.rank in ranks]
 
-    def _nbytes(self, p: Piece) -> int:
-        return int(torch.Size(p.shape).numel()) * torch.empty((), dtype=self.plan.wire_dtype).element_size()
-
     def staging_views(self, k: int) -> list[tuple[tuple[int, int], torch.Tensor]]:
         """This (remote) rank's pieces of bucket k as views of its staging buffer, in plan order."""
         if self._staging is None:
-            largest = max(sum(align(self._nbytes(p)) for *_, p in self.pieces(b, {self.rank}))
+            largest = max(sum(align(p.nbytes(self.plan.wire_dtype)) for *_, p in self.pieces(b, {self.rank}))
                           for b in range(len(self.plan.buckets)))
             self._staging = torch.empty(max(largest, 1), dtype=torch.uint8)
         out, at = [], 0
         for ti, pi, p in self.pieces(k, {self.rank}):
-            n = self._nbytes(p)
+            n = p.nbytes(self.plan.wire_dtype)
             out.append(((ti, pi), piece_view(self._staging, at, n, self.plan.wire_dtype, p.shape)))
             at += align(n)
         return out
@@ -87,5 +84,5 @@ class Relay:
     def receive(self, k: int, buffer: torch.Tensor) -> None:
         """Controller: the remote ranks' pieces of bucket k, straight into the bucket."""
         for _ti, _pi, p in self.pieces(k, self.remote):
-            view = piece_view(buffer, p.offset, self._nbytes(p), self.plan.wire_dtype, p.shape)
+            view = piece_view(buffer, p.offset, p.nbytes(self.plan.wire_dtype), self.plan.wire_dtype, p.shape)
             dist.recv(view, src=p.rank, group=self.group)

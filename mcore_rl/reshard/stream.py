@@ -147,15 +147,12 @@ def local_holdings(chunks: list, rank: int) -> tuple[list[Holding], dict[tuple, 
 def piece_source(piece: Piece, views: dict) -> torch.Tensor:
     """The part of a holding's tensor (``views``: `local_holdings`) that ``piece`` is made of."""
     h = piece.holding
-    x = views[(h.key, h.layer, h.offsets)]
-    kind = piece.select[0]
-    if kind == "rows":
-        return x[:piece.select[1]]
-    if kind == "qkv":
-        a, b = piece.select[1:]
-        groups = piece.shape[0] // (b - a)
-        return x.view(groups, -1, *x.shape[1:])[:, a:b]
-    return x
+    return piece.cut(views[(h.key, h.layer, h.offsets)])
+
+
+def _pointers(params) -> tuple:
+    """Where each parameter's data lies (it moved if this changed)."""
+    return tuple(p.data_ptr() for p in params)
 
 
 def _free_bytes(directory: str) -> int | None:
@@ -241,7 +238,7 @@ class WeightSync:
         if self.transport == "shared":
             self.plan.place_in_shared_file({h: at for _, o in everyone for h, at in o.items()},
                                            self.moved_nbytes)
-            self._pointers_in_file = self._param_pointers()
+            self._pointers_in_file = _pointers(self._moved)
         else:
             self._raise_if_any(None if self.rank in self.remote else _room_problem(
                 shm_dir, self.plan.file_nbytes, "the bucket file",
@@ -327,12 +324,6 @@ class WeightSync:
         self._raise_if_any(problem)
         return holdings, offsets
 
-    def _param_pointers(self) -> tuple:
-        """Where the moved parameters' data is (shared transport), or every parameter's."""
-        params = getattr(self, "_moved", None)
-        if params is None:
-            params = [p for c in self.chunks for p in _unwrap(c).parameters()]
-        return tuple(p.data_ptr() for p in params)
 
     @classmethod
     def from_config(cls, chunks: list, arch, cfg, *, engines: list | None = None,
@@ -368,7 +359,7 @@ class WeightSync:
     def local_views(self) -> dict:
         """Views of this rank's parameters by holding; rebuilt only when a parameter's storage
         moved (e.g. the chunks were wrapped in DDP after this object was built)."""
-        pointers = self._param_pointers()
+        pointers = _pointers(p for c in self.chunks for p in _unwrap(c).parameters())
         if pointers != getattr(self, "_pointers", None):
             self._pointers, self._cached_views = pointers, local_holdings(self.chunks, self.rank)[1]
         return self._cached_views
@@ -486,23 +477,19 @@ class WeightSync:
             cache = self._write_cache = (views, buffer, {})
         if k not in cache[2]:
             dtype, writes = self.plan.wire_dtype, []
-            size = torch.empty((), dtype=dtype).element_size()
             if self.plan.shared:
                 writes = [(at, buffer[at:at + n], None)
                           for at, n, rank in self.plan.buckets[k].regions if rank == self.rank]
-            elif self._relay is not None and self._relay.sends:  # into staging, then sent
-                staging = dict(self._relay.staging_views(k))
-                for ti, pi, p in self._relay.pieces(k, {self.rank}):
-                    src = piece_source(p, views)
-                    writes.append(((ti, pi), staging[(ti, pi)].view(src.shape), src))
-            local = not self.plan.shared and not (self._relay is not None and self._relay.sends)
-            for ti, t in enumerate(self.plan.buckets[k].tensors if local else ()):
-                for pi, p in enumerate(t.pieces):
-                    if p.rank == self.rank:
-                        nbytes = int(torch.Size(p.shape).numel()) * size
-                        dst = piece_view(buffer, p.offset, nbytes, dtype, p.shape)
-                        src = piece_source(p, views)
-                        writes.append(((ti, pi), dst.view(src.shape), src))
+            else:  # into the bucket, or (off the controller's node) into staging, then sent
+                relayed = self._relay is not None and self._relay.sends
+                staging = dict(self._relay.staging_views(k)) if relayed else {}
+                for ti, t in enumerate(self.plan.buckets[k].tensors):
+                    for pi, p in enumerate(t.pieces):
+                        if p.rank == self.rank:
+                            dst = (staging[(ti, pi)] if relayed else
+                                   piece_view(buffer, p.offset, p.nbytes(dtype), dtype, p.shape))
+                            src = piece_source(p, views)
+                            writes.append(((ti, pi), dst.view(src.shape), src))
             nbytes = sum(dst.numel() * dst.element_size() for _, dst, _ in writes)
             threads = self.writer_threads if nbytes >= self.threaded_above else 1
             shares: list[list] = [[] for _ in range(threads)]
@@ -528,7 +515,7 @@ class WeightSync:
         t0 = time.perf_counter()
         mine, failure = {}, None
         try:
-            if k == 0 and self.plan.shared and self._param_pointers() != self._pointers_in_file:
+            if k == 0 and self.plan.shared and _pointers(self._moved) != self._pointers_in_file:
                 raise RuntimeError("the parameters moved out of the shared weight file after "
                                    "WeightSync was built; build it after anything that "
                                    "reallocates them (e.g. wrapping the model in DDP)")
