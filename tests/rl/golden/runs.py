@@ -1,0 +1,85 @@
+"""Golden RL runs: short fixed-seed runs whose metrics every change must reproduce.
+
+Each run is the quick-start task on the in-process ``hf`` engine (deterministic on CPU),
+a short warm start and three RL steps. ``python -m tests.rl.golden.runs [NAME ...]``
+records the metrics into ``tests/rl/golden/<name>.json``; ``tests/rl/test_golden_runs.py``
+replays each run and compares every metric but timings to round-off.
+
+Recorded before the architecture rework (weight sync as transports, typed run state),
+except ``grpo_kl_in_reward_adaptive_tp1``: before it, the adaptive KL controller read the
+metric ``actor/kl_loss``, which does not exist when the KL is a reward penalty, so the
+coefficient was driven by a KL of 0 and decayed; the file was regenerated after the fix.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+BASE = ["rollout.engine=hf", "train.warm_start_steps=40", "train.steps=3", "train.val_every=3",
+        "data.num_val=16", "checkpoint.save_every=0", "logging.progress_bar=false",
+        "logging.tensorboard=false", "logging.samples_every=0", "reshard.verify=true",
+        "reshard.verify_every=1"]
+PPO = ["algorithm.advantage_estimator=gae", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2",
+       "optimizer.critic_lr=1e-3"]
+KL = ["algorithm.kl_coef=0.05", "algorithm.adaptive_kl_target=0.01"]
+# name -> (world size, overrides of configs/quickstart.yaml)
+RUNS: dict[str, tuple[int, list[str]]] = {
+    "grpo_tp1": (1, []),
+    "grpo_tp2": (2, ["parallel.tp=2"]),
+    "ppo_tp1": (1, PPO),
+    "ppo_tp2": (2, ["parallel.tp=2"] + PPO),
+    "grpo_kl_loss_adaptive_tp1": (1, KL),
+    "grpo_kl_in_reward_adaptive_tp1": (1, KL + ["algorithm.kl_in_reward=true"]),
+}
+TIMING_PREFIXES = ("time/", "sync/seconds", "sync/transfer_s", "sync/apply_s", "perf/tokens_per_s")
+
+
+def run_golden(rank, world_size, overrides):
+    """One golden run on a rank of a shared world; rank 0 returns the metrics history."""
+    from mcore_rl.config import load_config, validate_config
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.trainer import train
+
+    cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", overrides), world_size)
+    ctx = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
+    try:
+        train(cfg, ctx)
+    finally:
+        destroy_parallel()
+    path = Path(cfg.logging.dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else None
+
+
+def comparable(history: list[dict]) -> list[dict]:
+    """The history without timings (which differ from run to run)."""
+    return [{k: v for k, v in h.items() if not k.startswith(TIMING_PREFIXES)} for h in history]
+
+
+def play(name: str, log_dir: str) -> list[dict]:
+    from tests.world import shared_world
+
+    size, overrides = RUNS[name]
+    history = shared_world(size).run(run_golden, BASE + overrides + [f"logging.dir={log_dir}"])[0]
+    return comparable(history)
+
+
+def main(names: list[str]) -> None:
+    import tempfile
+
+    from tests.world import close_shared_worlds
+
+    try:
+        for name in names or list(RUNS):
+            with tempfile.TemporaryDirectory() as tmp:
+                history = play(name, tmp)
+            (HERE / f"{name}.json").write_text(json.dumps(history, indent=1) + "\n")
+            print(f"recorded {name}: {len(history)} rows", flush=True)
+    finally:
+        close_shared_worlds()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
