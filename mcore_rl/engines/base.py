@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from mcore_rl.reshard.bucket import BucketReader, WeightSyncError
+from mcore_rl.wire import BucketReader, WeightSyncError
 
 @dataclass(frozen=True)
 class SamplingConfig:

@@ -15,7 +15,7 @@ import torch
 
 from mcore_rl.errors import UsageError
 from mcore_rl.engines.base import RolloutEngine, Rollouts, RolloutSample, SamplingConfig
-from mcore_rl.reshard.bucket import check_manifest, read_tensors
+from mcore_rl.wire import check_manifest, read_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -13,10 +13,9 @@ from typing import Iterable
 
 import torch
 
-from mcore_rl.reshard.bucket import (DTYPE_NAMES, WeightSyncError, align, copy_and_checksum,
-                                     create_bucket_file, map_bucket_file, piece_view,
-                                     remove_bucket_file)
-from mcore_rl.reshard.plan import engine_module
+from mcore_rl.wire import (DTYPE_NAMES, WeightSyncError, align, copy_and_checksum,
+                           create_bucket_file, engine_module, map_bucket_file, piece_view,
+                           remove_bucket_file)
 
 
 def _group_into_buckets(named: list[tuple[str, torch.Tensor]],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mcore_rl.engines import sglang_shim
 from mcore_rl.engines.base import RolloutEngine, Rollouts, RolloutSample, SamplingConfig
-from mcore_rl.reshard.bucket import check_manifest, read_tensors
+from mcore_rl.wire import check_manifest, read_tensors
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SAMPLE_SEED_STRIDE = 1_000_003

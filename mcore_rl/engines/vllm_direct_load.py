@@ -35,7 +35,7 @@ import math
 import torch
 
 from mcore_rl.engines.param_plan import EngineParam, engine_params
-from mcore_rl.reshard.bucket import WeightSyncError, back_to_back, piece_view
+from mcore_rl.wire import WeightSyncError, back_to_back, piece_view
 
 _PLAIN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 

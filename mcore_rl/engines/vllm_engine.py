@@ -23,7 +23,7 @@ import torch
 from mcore_rl.engines import vllm_shim
 from mcore_rl.engines.base import RolloutEngine, Rollouts, RolloutSample, SamplingConfig
 from mcore_rl.engines.placement import plan_cpu_placement
-from mcore_rl.reshard.bucket import WeightSyncError
+from mcore_rl.wire import WeightSyncError
 
 TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")

@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from mcore_rl.reshard.bucket import BucketReader, WeightSyncError, check_manifest, read_tensors
+from mcore_rl.wire import BucketReader, WeightSyncError, check_manifest, read_tensors
 
 
 def _reported(method):

@@ -1,5 +1,6 @@
 """Resharding: stream the trainer's Megatron weights (any TP/PP/VPP/DP layout) into rollout
-engines after every step, in bounded buckets, checked, verified.
+engines after every step, in bounded buckets, checked, verified (the wire format both
+sides read: `mcore_rl.wire`).
 
     sync = WeightSync(train.model, arch, engines=[engine] if rank == 0 else None,
                       bucket_mb=cfg.reshard.bucket_mb)         # once, on every trainer rank
@@ -8,12 +9,11 @@ engines after every step, in bounded buckets, checked, verified.
                            tolerance=0.05)                     # cfg.reshard.verify
 
 - `plan`: `ReshardPlan` (which rank writes which slice of which HF tensor, into which bucket);
-- `bucket`: the shared-memory wire format and its checksums;
 - `stream`: `WeightSync`, the collective per-step sync;
 - `verify`: engine vs trainer log-probs on a probe batch;
 - `trace`: which trainer ranks feed a given engine parameter.
 """
-from mcore_rl.reshard.bucket import BucketChecksumError, WeightSyncError
+from mcore_rl.wire import BucketChecksumError, WeightSyncError
 from mcore_rl.reshard.plan import Holding, ReshardPlan
 from mcore_rl.reshard.stream import SyncStats, WeightSync
 from mcore_rl.reshard.verify import LogprobMismatchError, probe_prompts, verify_engine_logprobs

@@ -45,7 +45,7 @@ import torch
 
 from mcore_rl.models.arch import ModelArch
 from mcore_rl.models.mapping import GATE_UP, QKV, VOCAB, TensorMapping, hf_shapes, tensor_mappings
-from mcore_rl.reshard.bucket import ALIGN, DTYPE_NAMES, align
+from mcore_rl.wire import ALIGN, DTYPE_NAMES, align, engine_module
 
 
 @dataclass(frozen=True)
@@ -149,17 +149,6 @@ def _cuts(h: Holding, m: TensorMapping, arch: ModelArch) -> list[tuple[str, tupl
     return [(names[0], ("all",), axis, h.offsets[axis] if h.offsets else 0, h.shape)]
 
 
-def engine_module(hf_name: str) -> str:
-    """The engine module an HF tensor is loaded into (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
-    module = hf_name.rsplit(".", 1)[0]
-    for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-                         (("gate_proj", "up_proj"), "gate_up_proj")):
-        head, _, last = module.rpartition(".")
-        if last in parts:
-            return f"{head}.{fused}"
-    return module
-
-
 def _hf_order(arch: ModelArch, head: str) -> list[str]:
     """HF tensor names layer by layer (embedding, layer 0..L-1, final norm, head)."""
     mappings = tensor_mappings(arch, head)
@@ -255,7 +244,7 @@ class ReshardPlan:
 
     def manifest(self, bucket: int, sums: dict[tuple[int, int], list[int]], version: int,
                  algorithm: str) -> dict:
-        """The plain-Python manifest of a bucket (see `mcore_rl.reshard.bucket`);
+        """The plain-Python manifest of a bucket (`mcore_rl.wire.manifest`);
         ``sums[(tensor index, piece index)]`` are the writers' checksums (shared transport:
         ``sums[region offset]``)."""
         dtype = DTYPE_NAMES[self.wire_dtype]

@@ -22,7 +22,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from mcore_rl.reshard.bucket import align, piece_view
+from mcore_rl.wire import align, piece_view
 from mcore_rl.reshard.plan import Piece, ReshardPlan
 
 

@@ -25,7 +25,7 @@ import ctypes
 
 import torch
 
-from mcore_rl.reshard.bucket import align
+from mcore_rl.wire import align
 from mcore_rl.reshard.plan import Holding
 
 

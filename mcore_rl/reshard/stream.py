@@ -74,9 +74,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mcore_rl.reshard.bucket import (WeightSyncError, copy_and_checksum, create_bucket_file,
-                                     map_bucket_file, piece_view, remove_bucket_file)
-from mcore_rl.reshard.bucket import checksum as checksum_of
+from mcore_rl.wire import (WeightSyncError, copy_and_checksum, create_bucket_file,
+                           map_bucket_file, piece_view, remove_bucket_file)
+from mcore_rl.wire import checksum as checksum_of
 from mcore_rl.reshard.plan import Holding, Piece, ReshardPlan
 from mcore_rl.reshard.relay import Relay, ranks_beside
 from mcore_rl.reshard.shared_weights import (move_parameters, region_nbytes, sent_parameters,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mcore_rl.reshard.bucket import WeightSyncError
+from mcore_rl.wire import WeightSyncError
 
 
 class LogprobMismatchError(WeightSyncError):

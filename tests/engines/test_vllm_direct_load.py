@@ -9,7 +9,7 @@ import torch
 from mcore_rl.engines.param_plan import engine_params
 from mcore_rl.engines.vllm_direct_load import DirectLoad
 from mcore_rl.models.hf_config import spec_from_hf_config
-from mcore_rl.reshard.bucket import WeightSyncError
+from mcore_rl.wire import WeightSyncError
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 16,
           "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,

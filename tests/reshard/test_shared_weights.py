@@ -7,8 +7,8 @@ and plain copies of the parameters taken before the move.
 import pytest
 import torch
 
-from mcore_rl.reshard.bucket import (BucketChecksumError, check_manifest, checksum,
-                                     create_bucket_file, map_bucket_file, read_tensors)
+from mcore_rl.wire import (BucketChecksumError, check_manifest, checksum, create_bucket_file,
+                           map_bucket_file, read_tensors)
 from mcore_rl.reshard.plan import Holding
 from mcore_rl.reshard.shared_weights import (move_parameters, region_nbytes, sent_parameters,
                                              shared_transport_problem)

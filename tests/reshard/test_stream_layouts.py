@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from mcore_rl.engines.param_plan import engine_params
-from mcore_rl.reshard.bucket import WeightSyncError
+from mcore_rl.wire import WeightSyncError
 from mcore_rl.reshard.plan import ReshardPlan
 from mcore_rl.reshard.trace import engine_param_sources
 from tests.reshard.tiny_models import save_model
@@ -145,7 +145,7 @@ def test_plan_has_one_writer_per_region_on_dp_rank_0_and_sends_no_padding(world,
         assert "lm_head.weight" not in names  # the last stage's copy is never sent
     embed = next(t for b in plan.buckets for t in b.tensors if t.hf_name == "model.embed_tokens.weight")
     assert embed.shape[0] == expected["model.embed_tokens.weight"].shape[0]  # 997/1003 rows, not 1024
-    from mcore_rl.reshard.plan import engine_module
+    from mcore_rl.wire import engine_module
 
     for b in plan.buckets:  # over the bound only when one engine module alone is larger
         assert b.nbytes <= plan.bucket_bytes or len({engine_module(t.hf_name) for t in b.tensors}) == 1

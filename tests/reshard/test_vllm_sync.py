@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_rl.reshard.bucket import WeightSyncError
+from mcore_rl.wire import WeightSyncError
 from tests.models.tiny_hf import load_hf, save_tiny_hf_model
 from tests.world import SharedWorld
 

@@ -2,9 +2,8 @@
 import pytest
 import torch
 
-from mcore_rl.reshard.bucket import (BucketChecksumError, check_manifest, checksum,
-                                     copy_and_checksum, create_bucket_file, map_bucket_file,
-                                     piece_view, read_tensors)
+from mcore_rl.wire import (BucketChecksumError, check_manifest, checksum, copy_and_checksum,
+                           create_bucket_file, map_bucket_file, piece_view, read_tensors)
 
 
 @pytest.mark.parametrize("algorithm", ["sum64", "crc32"])
@@ -110,7 +109,7 @@ def test_engines_map_the_file_read_only_so_a_stray_write_faults_instead_of_chang
     create_bucket_file(path, 4096)
     writer = map_bucket_file(path, 4096)
     writer[:8] = 7
-    script = ("import sys; from mcore_rl.reshard.bucket import BucketReader; "
+    script = ("import sys; from mcore_rl.wire import BucketReader; "
               "b = BucketReader().open(sys.argv[1], 4096); "
               "assert int(b[:8].sum()) == 56, 'the reader sees the writer'; print('read', flush=True); "
               "b[0] = 1")
