@@ -10,8 +10,7 @@ sides read: `mcore_rl.wire`).
 
 - `plan`: `ReshardPlan` (which rank writes which slice of which HF tensor, into which bucket);
 - `stream`: `WeightSync`, the collective per-step sync;
-- `verify`: engine vs trainer log-probs on a probe batch;
-- `trace`: which trainer ranks feed a given engine parameter.
+- `verify`: engine vs trainer log-probs on a probe batch.
 """
 from mcore_rl.wire import BucketChecksumError, WeightSyncError
 from mcore_rl.reshard.plan import Holding, ReshardPlan

@@ -26,8 +26,8 @@ row-parallel weights split by trainer TP arrive as column blocks, concatenated o
 engine-side reader. Tensors go out under HF names, unfused: the engine's own loader fuses
 q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` *per engine TP shard* (a shard of
 ``qkv_proj`` is [q_r; k_r; v_r], not a slice of cat(q, k, v)), which is what makes one
-plan serve every engine TP size; `mcore_rl.engines.param_plan` describes those fused
-engine parameters and `engine_param_sources` traces them back to trainer ranks.
+plan serve every engine TP size (`mcore_rl.engines.param_plan` describes those fused
+engine parameters).
 
 Units and buckets: the HF tensors of one engine module (q, k, v [+ biases] of one
 ``qkv_proj``; gate and up of one ``gate_up_proj``; any other tensor alone) form a *unit*

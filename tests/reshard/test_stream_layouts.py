@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from mcore_rl.engines.param_plan import engine_params
 from mcore_rl.wire import WeightSyncError
 from mcore_rl.reshard.plan import ReshardPlan
-from mcore_rl.reshard.trace import engine_param_sources
 from tests.reshard.tiny_models import save_model
+from tests.reshard.trace import engine_param_sources
 from tests.world import SharedWorld
 
 LAYOUTS = {"TP2": (2, 1, None), "PP2": (1, 2, None), "TP2xPP2": (2, 2, None),
