@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.reshard.plan import ReshardPlan
-from mcore_rl.reshard.stream import piece_source
+from mcore_rl.reshard.sources import piece_source
 
 
 @torch.no_grad()
 def gather_hf_tensors(plan: ReshardPlan, views: dict, rank: int, dst: int = 0,
                       group=None) -> dict[str, torch.Tensor] | None:
     """Collective over the trainer ranks: HF name -> full tensor on ``dst``, None elsewhere.
-    ``views`` are this rank's holdings' tensors (`mcore_rl.reshard.stream.local_holdings`)."""
+    ``views`` are this rank's holdings' tensors (`mcore_rl.reshard.sources.local_holdings`)."""
     out: dict[str, torch.Tensor] = {}
     dst_global = dist.get_global_rank(group, dst) if group is not None else dst
     for bucket in plan.buckets:

@@ -35,7 +35,9 @@ that never straddles buckets, so the engine completes each module from one bucke
 are packed layer by layer into buckets of at most ``bucket_bytes`` (a unit larger than that
 gets a bucket of its own). Two consecutive buckets are in flight at once (writers fill
 bucket k+1 while the engine loads bucket k), so buckets alternate between the front and
-the back of the file, whose size is the largest sum of two consecutive buckets.
+the back of the file, whose size is the largest sum of two consecutive buckets. A transport
+may place the pieces elsewhere (`mcore_rl.reshard.transports`): the shared transport points
+them at the trainer's parameters themselves.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ import torch
 
 from mcore_rl.models.arch import ModelArch
 from mcore_rl.models.mapping import GATE_UP, QKV, VOCAB, TensorMapping, hf_shapes, tensor_mappings
-from mcore_rl.wire import ALIGN, DTYPE_NAMES, align, engine_module
+from mcore_rl.wire import DTYPE_NAMES, align, engine_module
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ class Bucket:
     regions: list[tuple[int, int, int]] = field(default_factory=list)
     """Shared transport: (offset, nbytes, rank) of the file's byte ranges its pieces lie in
     (each rank's holdings merged where they are adjacent, cut into runs of at most
-    ``REGION_BYTES``); the writing rank checksums each, the engine checks them."""
+    ``transports.shared_file.REGION_BYTES``); the writing rank checksums each, the engine
+    checks them."""
 
 
 def _cuts(h: Holding, m: TensorMapping, arch: ModelArch) -> list[tuple[str, tuple, int, int, tuple]]:
@@ -170,8 +173,6 @@ class ReshardPlan:
     bucket_bytes: int
     buckets: list[Bucket]
     hf_shapes: dict[str, tuple[int, ...]]
-    shared_file_nbytes: int | None = None
-    """Shared transport: size of the file holding the trainer's parameters (None: buckets)."""
 
     @classmethod
     def build(cls, holdings: list[Holding], arch: ModelArch, bucket_bytes: int,
@@ -200,33 +201,9 @@ class ReshardPlan:
     def max_bucket_nbytes(self) -> int:
         return max(b.nbytes for b in self.buckets)
 
-    def place_in_shared_file(self, offsets: dict[Holding, int], nbytes: int) -> None:
-        """Shared transport: point every piece at its part of its holding, which lies at
-        ``offsets[holding]`` (bytes) in a file of ``nbytes`` holding the trainer's parameters
-        (`mcore_rl.reshard.shared_weights`). Buckets keep their tensors (units still never
-        straddle buckets); each lists the holding regions its pieces lie in."""
-        size = torch.empty((), dtype=self.wire_dtype).element_size()
-        for bucket in self.buckets:
-            regions: dict[int, tuple[int, int, int]] = {}
-            for t in bucket.tensors:
-                t.pieces = [_in_holding(p, offsets[p.holding], size) for p in t.pieces]
-                for p in t.pieces:
-                    h = p.holding
-                    at = offsets[h]
-                    regions.setdefault(at, (at, _numel(h.shape) * size, h.rank))
-            bucket.regions = _runs(sorted(regions.values()))
-        self.shared_file_nbytes = nbytes
-
-    @property
-    def shared(self) -> bool:
-        return self.shared_file_nbytes is not None
-
     @property
     def file_nbytes(self) -> int:
-        """Size of the file the engine maps: room for any two consecutive buckets (shared
-        transport: the trainer's parameters)."""
-        if self.shared_file_nbytes is not None:
-            return self.shared_file_nbytes
+        """Size of a file that holds any two consecutive buckets where `build` placed them."""
         sizes = [b.nbytes for b in self.buckets]
         return max([sizes[0]] + [a + b for a, b in zip(sizes, sizes[1:])])
 
@@ -239,18 +216,24 @@ class ReshardPlan:
         return [p for t in self.buckets[bucket].tensors for p in t.pieces
                 if rank is None or p.rank == rank]
 
+    def keyed_pieces(self, bucket: int, ranks) -> list[tuple[tuple[int, int], Piece]]:
+        """``((tensor index, piece index), piece)`` of a bucket's pieces written by ``ranks``,
+        in plan order; the key is how `manifest` finds each piece's checksum."""
+        return [((ti, pi), p) for ti, t in enumerate(self.buckets[bucket].tensors)
+                for pi, p in enumerate(t.pieces) if p.rank in ranks]
+
     def writers(self) -> set[int]:
         return {p.rank for b in range(len(self.buckets)) for p in self.pieces(b)}
 
-    def manifest(self, bucket: int, sums: dict[tuple[int, int], list[int]], version: int,
-                 algorithm: str) -> dict:
-        """The plain-Python manifest of a bucket (`mcore_rl.wire.manifest`);
-        ``sums[(tensor index, piece index)]`` are the writers' checksums (shared transport:
-        ``sums[region offset]``)."""
-        dtype = DTYPE_NAMES[self.wire_dtype]
+    def manifest(self, bucket: int, sums: dict, version: int, algorithm: str) -> dict:
+        """The plain-Python manifest of a bucket (`mcore_rl.wire.manifest`). ``sums`` are the
+        writers' checksums: of each piece by ``(tensor index, piece index)``, or, where the
+        bucket lists ``regions`` (pieces checksummed where they lie), of each region by its
+        offset."""
+        dtype, regions = DTYPE_NAMES[self.wire_dtype], self.buckets[bucket].regions
         tensors = []
         for ti, t in enumerate(self.buckets[bucket].tensors):
-            if self.shared:
+            if regions:
                 pieces = [[p.offset, p.nbytes(self.wire_dtype), list(p.shape), None,
                            None if p.layout is None else [list(p.layout[0]), list(p.layout[1])]]
                           for p in t.pieces]
@@ -260,41 +243,14 @@ class ReshardPlan:
             tensors.append([t.hf_name, dtype, list(t.shape), t.axis, pieces])
         out = {"bucket": bucket, "num_buckets": len(self.buckets), "version": version,
                "checksum": algorithm, "tensors": tensors}
-        if self.shared:
-            out["regions"] = [[at, n, sums[at]] for at, n, _ in self.buckets[bucket].regions]
+        if regions:
+            out["regions"] = [[at, n, sums[at]] for at, n, _ in regions]
         return out
 
     def summary(self) -> str:
         return (f"{len(self.buckets)} buckets, {self.total_nbytes / 2**20:.1f} MiB, largest "
                 f"{self.max_bucket_nbytes / 2**20:.1f} MiB, file {self.file_nbytes / 2**20:.1f} MiB, "
                 f"writers {sorted(self.writers())}")
-
-
-REGION_BYTES = 16 * 2**20
-"""Longest run of bytes one checksum covers (shared transport): short enough that writer
-threads share a bucket evenly, long enough that the per-checksum overhead vanishes."""
-
-
-def _runs(regions: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """(offset, nbytes, rank) regions, sorted, merged where one follows the other (up to the
-    alignment padding between parameters) and cut into runs of at most ``REGION_BYTES``."""
-    merged: list[list[int]] = []
-    for at, n, rank in regions:
-        last = merged[-1] if merged else None
-        if last and last[2] == rank and 0 <= at - (last[0] + last[1]) < ALIGN:
-            last[1] = at + n - last[0]
-        else:
-            merged.append([at, n, rank])
-    return [(at + s, min(REGION_BYTES, n - s), rank)
-            for at, n, rank in merged for s in range(0, n, REGION_BYTES)]
-
-
-def _in_holding(p: Piece, at: int, size: int) -> Piece:
-    """``p`` placed in its holding, which starts at byte ``at`` of the shared file: where
-    its cut of a (meta) tensor of the holding's shape lies, and its strides if not contiguous."""
-    part = p.cut(torch.empty(p.holding.shape, device="meta"))
-    layout = None if part.is_contiguous() else (tuple(part.shape), tuple(part.stride()))
-    return replace(p, offset=at + part.storage_offset() * size, layout=layout)
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:

@@ -20,8 +20,8 @@ def _sync_into_hf_engine(ctx, hf_dir, start_dir, wire):
     built = build_model(hf_dir, ctx)
     assert next(built.chunks[0].parameters()).is_cuda
     engine = HFEngine(start_dir)
-    with WeightSync(built.chunks, built.spec.arch, engines=[engine], bucket_mb=64,
-                    wire_dtype=wire) as sync:
+    with WeightSync.build(built.chunks, built.spec.arch, engines=[engine], bucket_mb=64,
+                          wire_dtype=wire) as sync:
         sync.sync(version=1)
         stats = sync.sync(version=2)
     return engine, stats

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from mcore_rl.engines.param_plan import engine_params
-from mcore_rl.wire import WeightSyncError
 from mcore_rl.reshard.plan import ReshardPlan
+from mcore_rl.wire import WeightSyncError, engine_module
+from tests.reshard import staged_transport
 from tests.reshard.tiny_models import save_model
 from tests.reshard.trace import engine_param_sources
 from tests.world import SharedWorld
@@ -48,17 +49,19 @@ def _stream(rank, world_size, layout, hf_dir, start_dir, wire, hook=None, thread
     from mcore_rl.engines.hf_engine import HFEngine
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
-    from mcore_rl.reshard.stream import WeightSync, local_holdings
+    from mcore_rl.reshard.sources import local_holdings
+    from mcore_rl.reshard.stream import WeightSync
 
     tp, pp, vpp = layout
     ctx = initialize_parallel(tp=tp, pp=pp, vpp=vpp)
     built = build_model(hf_dir, ctx)
     engine = HFEngine(start_dir) if rank == 0 else None
     try:
-        sync = WeightSync(built.chunks, built.spec.arch, engines=[engine] if engine else None,
-                          bucket_mb=BUCKET_MB, wire_dtype=getattr(torch, wire), **options)
+        sync = WeightSync.build(built.chunks, built.spec.arch,
+                                engines=[engine] if engine else None, bucket_mb=BUCKET_MB,
+                                wire_dtype=getattr(torch, wire), **options)
         if threaded_above is not None:  # the tiny buckets are below the default threshold
-            sync.threaded_above = threaded_above
+            sync.writer.threaded_above = threaded_above
         error = None
         try:
             sync.sync(version=3, bucket_hook=hook)
@@ -92,7 +95,7 @@ def _flip_one_byte_of_bucket_two(k, buffer, manifest):
         buffer[offset] ^= 0x10
 
 
-@pytest.mark.parametrize("transport", ["shared", "buckets"])
+@pytest.mark.parametrize("transport", ["shared", "buckets", staged_transport.NAME])
 @pytest.mark.parametrize("variant", ["llama-untied", "qwen2-tied"])
 def test_every_layout_streams_the_exact_hf_tensors_into_the_engine(world, models, variant, transport):
     hf_dir, start_dir, expected = models[variant]
@@ -104,6 +107,65 @@ def test_every_layout_streams_the_exact_hf_tensors_into_the_engine(world, models
         assert results[0]["version"] == 3
         for hf_name, tensor in expected.items():
             assert torch.equal(params[hf_name], tensor), f"{variant} {name}: {hf_name} differs"
+
+
+def _stream_into_two_engines(rank, world_size, hf_dir, start_dir, fail_second=False):
+    """TP2 x PP2 into two HFEngines on the controller, one sync; the second engine fails to
+    load bucket 3 when ``fail_second``. Each engine's parameters, version and state."""
+    from mcore_rl.engines.hf_engine import HFEngine
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.stream import WeightSync
+
+    ctx = initialize_parallel(tp=2, pp=2)
+    built = build_model(hf_dir, ctx)
+    engines = [HFEngine(start_dir), HFEngine(start_dir)] if rank == 0 else None
+    if engines and fail_second:
+        load = engines[1].load_bucket
+
+        def lose_bucket_three(manifest):
+            if manifest["bucket"] == 2:
+                raise RuntimeError("the second engine lost bucket 3")
+            return load(manifest)
+        engines[1].load_bucket = lose_bucket_three
+    try:
+        with WeightSync.build(built.chunks, built.spec.arch, engines=engines,
+                              bucket_mb=BUCKET_MB) as sync:
+            try:
+                sync.sync(version=5)
+                out = {"error": None}
+            except WeightSyncError as err:
+                out = {"error": str(err)}
+        if rank == 0:
+            out["params"] = [{k: v.clone() for k, v in e.model.state_dict().items()}
+                             for e in engines]
+            out["versions"] = [e.weight_version for e in engines]
+            out["consistent"] = [e.consistent for e in engines]
+        return out
+    finally:
+        destroy_parallel()
+
+
+def test_one_sync_updates_every_engine_it_was_given_with_the_exact_tensors(world, models):
+    hf_dir, start_dir, expected = models["llama-untied"]
+    results = world.run(_stream_into_two_engines, hf_dir, start_dir)
+    assert [r["error"] for r in results] == [None] * 4, results[0]["error"]
+    assert results[0]["versions"] == [5, 5]
+    for i, params in enumerate(results[0]["params"]):
+        for hf_name, tensor in expected.items():
+            assert torch.equal(params[hf_name], tensor), f"engine {i}: {hf_name} differs"
+
+
+def test_a_failure_in_one_engine_aborts_every_engine_and_fails_the_sync_on_every_rank(world,
+                                                                                      models):
+    hf_dir, start_dir, _ = models["llama-untied"]
+    results = world.run(_stream_into_two_engines, hf_dir, start_dir, fail_second=True)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1 and None not in errors, errors
+    message = errors.pop()
+    assert "bucket 3/" in message and "the second engine lost bucket 3" in message
+    assert results[0]["versions"] == [None, None]
+    assert results[0]["consistent"] == [False, False]
 
 
 @pytest.mark.parametrize("transport", ["shared", "buckets"])
@@ -145,8 +207,6 @@ def test_plan_has_one_writer_per_region_on_dp_rank_0_and_sends_no_padding(world,
         assert "lm_head.weight" not in names  # the last stage's copy is never sent
     embed = next(t for b in plan.buckets for t in b.tensors if t.hf_name == "model.embed_tokens.weight")
     assert embed.shape[0] == expected["model.embed_tokens.weight"].shape[0]  # 997/1003 rows, not 1024
-    from mcore_rl.wire import engine_module
-
     for b in plan.buckets:  # over the bound only when one engine module alone is larger
         assert b.nbytes <= plan.bucket_bytes or len({engine_module(t.hf_name) for t in b.tensors}) == 1
     # q, k, v (and biases) of a layer share one bucket: the engine completes qkv_proj at once.
@@ -214,7 +274,7 @@ def _gathered(rank, world_size, layout, hf_dir):
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
     from mcore_rl.reshard.gather import gather_hf_tensors
-    from mcore_rl.reshard.stream import local_holdings
+    from mcore_rl.reshard.sources import local_holdings
 
     tp, pp, vpp = layout
     ctx = initialize_parallel(tp=tp, pp=pp, vpp=vpp)
@@ -253,16 +313,16 @@ def _shared_misuse(rank, world_size, hf_dir, start_dir):
     out = {}
     try:
         try:  # no engine given to the controller
-            WeightSync(built.chunks, built.spec.arch, bucket_mb=BUCKET_MB)
+            WeightSync.build(built.chunks, built.spec.arch, bucket_mb=BUCKET_MB)
         except ValueError as err:
             out["no_engine"] = str(err)
         try:
-            WeightSync(built.chunks, built.spec.arch, engines=engines, bucket_mb=BUCKET_MB,
-                       wire_dtype=torch.bfloat16, transport="shared")
+            WeightSync.build(built.chunks, built.spec.arch, engines=engines, bucket_mb=BUCKET_MB,
+                             wire_dtype=torch.bfloat16, transport="shared")
         except ValueError as err:
             out["unshareable"] = str(err)
-        with WeightSync(built.chunks, built.spec.arch, engines=engines, bucket_mb=BUCKET_MB,
-                        transport="shared") as sync:
+        with WeightSync.build(built.chunks, built.spec.arch, engines=engines,
+                              bucket_mb=BUCKET_MB, transport="shared") as sync:
             if rank == 3:  # a TP shard: rank 3 sends it
                 param = built.chunks[0].decoder.layers[0].self_attention.linear_qkv.weight
                 param.data = param.data.clone()
@@ -299,14 +359,14 @@ def _relayed(rank, world_size, layout, hf_dir, start_dir, wire, fail_rank=None):
     built = build_model(hf_dir, ctx)
     engine = HFEngine(start_dir) if rank == 0 else None
     try:
-        with WeightSync(built.chunks, built.spec.arch, engines=[engine] if engine else None,
-                        bucket_mb=BUCKET_MB, wire_dtype=getattr(torch, wire),
-                        local_ranks={0, 1}) as sync:
+        with WeightSync.build(built.chunks, built.spec.arch,
+                              engines=[engine] if engine else None, bucket_mb=BUCKET_MB,
+                              wire_dtype=getattr(torch, wire), local_ranks={0, 1}) as sync:
             if rank == fail_rank:
                 def broken(share):
                     raise RuntimeError("staging copy failed")
-                sync._write = broken
-            out = {"transport": sync.transport, "maps_file": sync.buffer is not None}
+                sync.writer.run = broken
+            out = {"transport": sync.transport, "maps_file": sync.channel.buffer is not None}
             try:
                 sync.sync(version=4)
                 out["error"] = None

@@ -131,7 +131,7 @@ def _step_and_sync(rank, world_size, variant, hf_dir, pid_file, layout, work):
         arch = built.spec.arch
         train = build_engine(built.chunks, ctx, vocab_size=arch.vocab_size,
                              optim=OptimizerConfig(name="adam", lr=0.05, clip_grad=0.0))
-        with WeightSync(train.model, arch, engines=engines, bucket_mb=BUCKET_MB) as sync:
+        with WeightSync.build(train.model, arch, engines=engines, bucket_mb=BUCKET_MB) as sync:
             sync.sync(version=1)
             before = [e.generate(PROMPTS, _greedy()) for e in engines]
             train.train_batch(_sft_batch(arch.vocab_size), _sft_loss)
@@ -198,8 +198,8 @@ def _corrupted_then_clean_sync(rank, world_size, variant, hf_dir, pid_file):
     ctx = initialize_parallel(tp=2, pp=2)
     try:
         built = build_model(hf_dir, ctx)
-        with WeightSync(built.chunks, built.spec.arch, engines=engines,
-                        bucket_mb=BUCKET_MB) as sync:
+        with WeightSync.build(built.chunks, built.spec.arch, engines=engines,
+                              bucket_mb=BUCKET_MB) as sync:
             try:
                 sync.sync(version=7, bucket_hook=_corrupt_bucket_one)
                 error = None
@@ -260,7 +260,7 @@ def _verify_before_and_after_perturbing(rank, world_size, variant, hf_dir, pid_f
     try:
         built = build_model(hf_dir, ctx)
         arch = built.spec.arch
-        with WeightSync(built.chunks, arch, engines=engines, bucket_mb=BUCKET_MB) as sync:
+        with WeightSync.build(built.chunks, arch, engines=engines, bucket_mb=BUCKET_MB) as sync:
             sync.sync(version=11)
         forward_only = build_engine(built.chunks, ctx, vocab_size=arch.vocab_size)
         probe = probe_prompts(arch.vocab_size)

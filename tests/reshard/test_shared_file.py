@@ -7,11 +7,11 @@ and plain copies of the parameters taken before the move.
 import pytest
 import torch
 
+from mcore_rl.reshard.plan import Holding
+from mcore_rl.reshard.transports.shared_file import (move_parameters, region_nbytes,
+                                                     sent_parameters, shared_transport_problem)
 from mcore_rl.wire import (BucketChecksumError, check_manifest, checksum, create_bucket_file,
                            map_bucket_file, read_tensors)
-from mcore_rl.reshard.plan import Holding
-from mcore_rl.reshard.shared_weights import (move_parameters, region_nbytes, sent_parameters,
-                                             shared_transport_problem)
 
 
 def _model(dtype=torch.float32):
@@ -104,17 +104,17 @@ def test_only_parameters_behind_main_holdings_are_moved():
 
 
 def test_a_tmpfs_without_room_is_refused_before_anything_is_written(tmp_path):
-    from mcore_rl.reshard.stream import _room_problem
+    from mcore_rl.reshard.transports.shm_file import room_problem
 
-    assert _room_problem(str(tmp_path), 1, "the bucket file", "") is None
-    assert "is not a directory" in _room_problem(str(tmp_path / "missing"), 1, "the file", "")
-    problem = _room_problem(str(tmp_path), 1 << 60, "the bucket file", "lower reshard.bucket_mb")
+    assert room_problem(str(tmp_path), 1, "the bucket file", "") is None
+    assert "is not a directory" in room_problem(str(tmp_path / "missing"), 1, "the file", "")
+    problem = room_problem(str(tmp_path), 1 << 60, "the bucket file", "lower reshard.bucket_mb")
     assert "the bucket file needs" in problem and "GiB free: lower reshard.bucket_mb" in problem
     assert "--shm-size" in problem
 
 
 def test_regions_merge_where_parameters_follow_each_other_and_are_cut_into_bounded_runs():
-    from mcore_rl.reshard.plan import REGION_BYTES, _runs
+    from mcore_rl.reshard.transports.shared_file import REGION_BYTES, _runs
 
     # rank 0: two parameters with 60 bytes of alignment padding between them, then one past
     # a 64-byte gap; rank 1 right after it; then a run longer than REGION_BYTES
