@@ -1,0 +1,31 @@
+"""The dataflow runtime: controllers connected by streams, run as Ray actors.
+
+A `DataStream` is a bounded FIFO of items (a dict, a `mcore_rl.data.batch.Batch`, any
+picklable value); items travel as references into Ray's shared-memory object store. A
+`Controller` is a role with a function ``item -> item or None``: it reads its
+``data_input`` (none: a source, fed the items of ``launch``'s ``data``) and writes what
+the function returns to its ``data_output`` (none: a sink). A `ControllerGroup` holds
+the instances of one graph; `launch` starts each instance in a process of its own (or, by
+its ``strategy``, in a group of processes), runs them until the data or the ``steps``
+budget is used up, and returns `FlowStats`::
+
+    rollout = DataStream("rollout", buffer_size=4)
+    group = ControllerGroup()
+    group.add(Controller(role="actor", data_output=rollout, function=generate, devices=[0]))
+    group.add(Controller(role="trainer", data_input=rollout, function=Trainer, batch_items=2))
+    stats = launch(group, data=prompt_batches, num_epochs=3)
+
+Backpressure: a producer blocks once ``buffer_size`` items wait in its output, so a fast
+role runs at most that far ahead of a slow one. End-of-stream: when all producers of a
+stream have finished, its consumers finish too. Devices are cores on CPU: a controller
+with devices pins its process to them, controllers sharing a device take turns one call
+at a time (and hold no turn while they wait on a stream). The first failure anywhere ends
+the launch with a `FlowError` naming the role and instance, and kills every process.
+"""
+from mcore_rl.flow.graph import Controller, ControllerGroup, DataStream, Factory, factory
+from mcore_rl.flow.launch import FlowError, launch
+from mcore_rl.flow.stats import ControllerStats, FlowStats
+from mcore_rl.flow.strategies import STRATEGIES
+
+__all__ = ["DataStream", "Controller", "ControllerGroup", "Factory", "factory", "launch",
+           "FlowError", "FlowStats", "ControllerStats", "STRATEGIES"]

@@ -1,0 +1,134 @@
+"""One controller instance at run time: a Ray actor that takes items from its input
+stream, calls its function (through its strategy) and puts the results into its output.
+
+The actor is threaded (two threads) so that `kill_group` can run while `run` blocks. Its
+process leads its own process group, so killing the group also kills whatever the
+function started."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any, Iterator
+
+from mcore_rl.flow import ray_shim
+from mcore_rl.flow.hub import ENDED, OPEN
+from mcore_rl.flow.plan import InstanceSpec
+from mcore_rl.flow.stats import ControllerStats
+from mcore_rl.flow.strategies import STRATEGIES, Executor
+
+
+def merge_items(items: list, batch_items: int) -> Any:
+    """One call's input: the item itself, or ``batch_items`` (or fewer, at the end) items
+    merged: ``Batch.cat`` when all are batches, else a list."""
+    if batch_items == 1:
+        return items[0]
+    batch_module = sys.modules.get("mcore_rl.data.batch")  # loaded if any item is a Batch
+    if batch_module is not None and all(isinstance(i, batch_module.Batch) for i in items):
+        return batch_module.Batch.cat(items)
+    return list(items)
+
+
+def lead_process_group() -> None:
+    """Make this process the leader of a process group of its own (Ray's workers already
+    are; the check keeps `kill_group` from ever hitting a group it does not lead)."""
+    if os.getpgid(0) != os.getpid():
+        os.setpgid(0, 0)
+
+
+def kill_process_group(pid: int) -> None:
+    """SIGKILL the process group led by ``pid`` (or only ``pid``, if it leads none)."""
+    try:
+        if os.getpgid(pid) == pid and pid != os.getpgid(0):
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        try:  # the leader is gone; its group may still have members
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class ControllerProcess:
+    """The actor behind one controller instance."""
+
+    def __init__(self, spec: InstanceSpec):
+        self.spec = spec
+        self.executor: Executor | None = None
+        lead_process_group()
+
+    def where(self) -> tuple[str, int]:
+        """(node id, pid) of this process."""
+        return ray_shim.node_id(), os.getpid()
+
+    def setup(self) -> list[tuple[str, int]]:
+        """Build the function through the strategy; the processes the strategy started."""
+        self.executor = STRATEGIES.get(self.spec.strategy)(self.spec)
+        return self.executor.processes()
+
+    def run(self, hub: Any) -> ControllerStats:
+        """Move items until the input ends (or the launch is cancelled); the stats."""
+        ray = ray_shim.require()
+        spec = self.spec
+        stats = ControllerStats(spec.role, spec.index)
+        start = time.perf_counter()
+        for item in self._inputs(hub, stats):
+            if spec.counts_steps and not ray.get(hub.take_step.remote()):
+                break
+            result = self._call(item, hub, stats)
+            if result is None or spec.output is None:
+                continue
+            t = time.perf_counter()
+            accepted = ray.get(hub.put.remote(spec.output, [ray.put(result)]))
+            stats.blocked_out_s += time.perf_counter() - t
+            if not accepted:
+                break
+            stats.items_out += 1
+        if spec.output is not None:
+            ray.get(hub.close.remote(spec.output))
+        self.executor.close()
+        stats.wall_s = time.perf_counter() - start
+        return stats
+
+    def kill_group(self) -> None:
+        """Kill this process, what it started and the strategy's processes on this node."""
+        here = ray_shim.node_id()
+        for node, pid in self.executor.processes() if self.executor else []:
+            if node == here:
+                kill_process_group(pid)
+        os.killpg(os.getpid(), signal.SIGKILL)
+
+    def _inputs(self, hub: Any, stats: ControllerStats) -> Iterator[Any]:
+        ray = ray_shim.require()
+        k = self.spec.batch_items
+        group: list = []
+        state = OPEN
+        while state == OPEN:
+            t = time.perf_counter()
+            boxes, state = ray.get(hub.get.remote(self.spec.input, k - len(group)))
+            values = ray.get([box[0] for box in boxes]) if boxes else []
+            stats.blocked_in_s += time.perf_counter() - t
+            stats.items_in += len(values)
+            group += values
+            if len(group) == k:
+                yield merge_items(group, k)
+                group = []
+        if group and state == ENDED:
+            yield merge_items(group, k)
+
+    def _call(self, item: Any, hub: Any, stats: ControllerStats) -> Any:
+        ray = ray_shim.require()
+        devices = self.spec.devices
+        if self.spec.takes_turns:
+            t = time.perf_counter()
+            ray.get(hub.acquire.remote(devices))
+            stats.turn_wait_s += time.perf_counter() - t
+        t = time.perf_counter()
+        result = self.executor(item)
+        stats.busy_s += time.perf_counter() - t
+        stats.calls += 1
+        if self.spec.takes_turns:
+            ray.get(hub.release.remote(devices))
+        return result

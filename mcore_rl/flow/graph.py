@@ -1,0 +1,124 @@
+"""What a user builds: streams, controllers and the group that holds them (no Ray here)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from mcore_rl.errors import UsageError
+from mcore_rl.registry import import_by_path
+
+
+@dataclass(frozen=True, eq=False)
+class DataStream:
+    """A bounded FIFO of items from producer controllers to consumer controllers.
+
+    A producer's ``put`` blocks while ``buffer_size`` items wait; each item goes to exactly
+    one consumer; items keep their order per producer; when every producer has finished,
+    the consumers see end-of-stream and finish. Items travel as references to Ray's object
+    store, so a stream never copies a tensor."""
+
+    name: str
+    buffer_size: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name.startswith("<"):
+            raise UsageError(f"stream name {self.name!r}: give a non-empty name not starting with '<'")
+        if self.buffer_size < 1:
+            raise UsageError(f"stream '{self.name}': buffer_size must be >= 1, got {self.buffer_size}")
+
+
+@dataclass(frozen=True)
+class Factory:
+    """``make(*args, **kwargs)`` is called once in the controller's process; what it returns
+    is called once per item (so a model or an engine is built where it runs)."""
+
+    make: Callable[..., Callable[[Any], Any]]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+def factory(make: Callable[..., Callable[[Any], Any]], *args: Any, **kwargs: Any) -> Factory:
+    """A `Factory` of ``make`` called with these arguments in the controller's process."""
+    return Factory(make, args, kwargs)
+
+
+def build_function(function: Any) -> Callable[[Any], Any]:
+    """The per-item callable of a controller's ``function``, built in the process it runs in:
+    a class is instantiated (no arguments), a `Factory` is called, a ``module:attr`` string
+    is imported, any other callable is used as it is."""
+    if isinstance(function, str):
+        function = import_by_path(function)
+    if isinstance(function, Factory):
+        return function.make(*function.args, **function.kwargs)
+    if isinstance(function, type):
+        return function()
+    return function
+
+
+@dataclass(eq=False)
+class Controller:
+    """One role of the graph: a function applied to each item of ``data_input`` (or of the
+    launch's ``data`` when it has none: a source), its results put into ``data_output``
+    (none: a sink). Adding the same configuration twice to a group runs two instances."""
+
+    role: str
+    function: Any
+    """A callable item -> item or None (nothing to emit), a class (instantiated once in the
+    controller's process, the instance called per item), a `Factory`, or ``module:attr``."""
+    data_input: DataStream | None = None
+    data_output: DataStream | None = None
+    num_workers: int = 1
+    """Processes that run the function together (a worker group strategy); 1 for ``process``."""
+    devices: Sequence[int] | None = None
+    """Cores (on CPU) this controller's processes are pinned to; controllers sharing a device
+    take turns, one function call at a time. None: no device, no reserved core."""
+    strategy: str = "process"
+    """How the function runs: a name in `mcore_rl.flow.STRATEGIES`, or ``module:attr``."""
+    batch_items: int = 1
+    """Items merged into one call: ``Batch.cat`` for batches, a list otherwise; the last,
+    partial group at end-of-stream is delivered too."""
+
+    def __post_init__(self) -> None:
+        if not self.role:
+            raise UsageError("a controller needs a role name")
+        if not (callable(self.function) or isinstance(self.function, (str, Factory))):
+            raise UsageError(f"controller '{self.role}': function must be callable, a class, a "
+                             f"Factory or 'module:attr', got {type(self.function).__name__}")
+        if self.batch_items < 1 or self.num_workers < 1:
+            raise UsageError(f"controller '{self.role}': batch_items and num_workers must be >= 1")
+        if self.devices is not None:
+            devices = tuple(self.devices)
+            if not devices or len(set(devices)) != len(devices) or any(
+                    not isinstance(d, int) or d < 0 for d in devices):
+                raise UsageError(f"controller '{self.role}': devices must be distinct device ids "
+                                 f"(cores on CPU), got {list(self.devices)}")
+            self.devices = devices
+        if self.data_input is not None and self.data_input is self.data_output:
+            raise UsageError(f"controller '{self.role}' reads and writes the same stream")
+
+    @property
+    def is_source(self) -> bool:
+        return self.data_input is None
+
+    @property
+    def is_sink(self) -> bool:
+        return self.data_output is None
+
+
+class ControllerGroup:
+    """The controllers of one launch, in the order they were added."""
+
+    def __init__(self, controllers: Sequence[Controller] = ()):
+        self.controllers: list[Controller] = []
+        for controller in controllers:
+            self.add(controller)
+
+    def add(self, controller: Controller) -> Controller:
+        """Add one controller instance (the same object may be added again for another)."""
+        if not isinstance(controller, Controller):
+            raise UsageError(f"ControllerGroup.add takes a Controller, got {type(controller).__name__}")
+        self.controllers.append(controller)
+        return controller
+
+    def __len__(self) -> int:
+        return len(self.controllers)

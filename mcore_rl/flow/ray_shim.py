@@ -1,0 +1,46 @@
+"""The one place mcore-rl imports Ray from (an optional dependency of `mcore_rl.flow`)."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+from mcore_rl.errors import UsageError
+
+
+def available() -> bool:
+    """Whether Ray can be imported (checked without importing it)."""
+    return importlib.util.find_spec("ray") is not None
+
+
+def require() -> Any:
+    """The ``ray`` module, or a one-line `UsageError` saying how to install it."""
+    if not available():
+        raise UsageError("mcore_rl.flow runs controllers on Ray, which is not installed: "
+                         "pip install ray (on CPU: bash scripts/install.sh)")
+    import ray
+
+    return ray
+
+
+@functools.lru_cache(maxsize=None)
+def actor_class(cls: type) -> Any:
+    """``cls`` as a Ray actor class (made once per class; options are given per actor)."""
+    return require().remote(cls)
+
+
+def node_id() -> str:
+    """The Ray node this process runs on."""
+    return require().get_runtime_context().get_node_id()
+
+
+def get_all(refs: list, poll_s: float = 0.5) -> list:
+    """``ray.get`` of several references that raises as soon as any of them failed (plain
+    ``ray.get`` of a list may first wait for an earlier one that never finishes)."""
+    ray = require()
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=poll_s, fetch_local=False)
+        for ref in ready:
+            ray.get(ref)
+    return ray.get(refs)

@@ -1,0 +1,80 @@
+"""What `launch` returns: per controller instance and per role, items and where time went."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class ControllerStats:
+    """Counts and seconds of one controller instance (or, summed, of a role)."""
+
+    role: str
+    index: int = 0
+    """The instance's position in its role; -1 for a role's sum."""
+    instances: int = 1
+    items_in: int = 0
+    """Items taken from the input stream (or from the launch's data)."""
+    items_out: int = 0
+    """Results put into the output stream."""
+    calls: int = 0
+    """Function calls (a call receives ``batch_items`` items merged)."""
+    busy_s: float = 0.0
+    """Seconds inside the function."""
+    blocked_in_s: float = 0.0
+    """Seconds waiting for (and fetching) input items."""
+    blocked_out_s: float = 0.0
+    """Seconds handing results to the output stream, mostly waiting for room in it."""
+    turn_wait_s: float = 0.0
+    """Seconds waiting for a turn on devices shared with other controllers."""
+    wall_s: float = 0.0
+    """Seconds from the first input request to the end (a role: the longest instance)."""
+
+    _SUMMED = ("instances", "items_in", "items_out", "calls", "busy_s", "blocked_in_s",
+               "blocked_out_s", "turn_wait_s")
+
+    @staticmethod
+    def total(role: str, parts: list["ControllerStats"]) -> "ControllerStats":
+        """The sum over a role's instances (``wall_s``: the longest)."""
+        out = ControllerStats(role, index=-1, instances=0)
+        for part in parts:
+            for name in ControllerStats._SUMMED:
+                setattr(out, name, getattr(out, name) + getattr(part, name))
+            out.wall_s = max(out.wall_s, part.wall_s)
+        return out
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class FlowStats:
+    """The result of one `launch`."""
+
+    instances: list[ControllerStats]
+    """One entry per controller instance, in the order they were added."""
+    roles: dict[str, ControllerStats] = field(default_factory=dict)
+    """Per role, summed over its instances."""
+    steps: int = 0
+    """Calls of the sink controllers (what ``steps=`` counts)."""
+    wall_s: float = 0.0
+    """Seconds of the whole launch, Ray start excluded."""
+
+    @classmethod
+    def collect(cls, instances: list[ControllerStats], sinks: set[str], wall_s: float) -> "FlowStats":
+        roles: dict[str, list[ControllerStats]] = {}
+        for s in instances:
+            roles.setdefault(s.role, []).append(s)
+        return cls(instances, {r: ControllerStats.total(r, parts) for r, parts in roles.items()},
+                   steps=sum(s.calls for s in instances if s.role in sinks), wall_s=wall_s)
+
+    def instance(self, role: str, index: int = 0) -> ControllerStats:
+        """The stats of one instance of ``role``."""
+        return next(s for s in self.instances if s.role == role and s.index == index)
+
+    def table(self) -> str:
+        """One line per role: items, busy and blocked seconds."""
+        lines = [f"{'role':<16}{'n':>3}{'in':>7}{'out':>7}{'busy_s':>9}{'in_s':>8}{'out_s':>8}{'turn_s':>8}"]
+        for s in self.roles.values():
+            lines.append(f"{s.role:<16}{s.instances:>3}{s.items_in:>7}{s.items_out:>7}{s.busy_s:>9.2f}"
+                         f"{s.blocked_in_s:>8.2f}{s.blocked_out_s:>8.2f}{s.turn_wait_s:>8.2f}")
+        return "\n".join(lines)

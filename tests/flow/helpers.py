@@ -1,0 +1,165 @@
+"""Controller functions for the flow tests. They run in Ray actors, which import this
+module by name, so they live here rather than in the test files; each records what it
+saw as JSON lines in a log file (several processes append to one file: one short write
+per line). torch is imported only where a test needs it: each actor imports this module,
+and importing torch costs about a second of CPU per process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+
+def write(path: str, **record) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read(path: str | Path) -> list[dict]:
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that still runs (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class Numbered:
+    """A producer: item -> {"pid", "seq", "x"}; logs the start of each call."""
+
+    def __init__(self, log: str, delay_s: float = 0.0):
+        self.log, self.delay_s, self.seq = log, delay_s, 0
+
+    def __call__(self, x):
+        write(self.log, event="produce", pid=os.getpid(), seq=self.seq, x=x, t=time.monotonic())
+        time.sleep(self.delay_s)
+        out = {"pid": os.getpid(), "seq": self.seq, "x": x}
+        self.seq += 1
+        return out
+
+
+class Consume:
+    """A sink or a relay: logs each item it gets; sleeps ``delay_s``; passes it on if
+    ``relay``."""
+
+    def __init__(self, log: str, delay_s: float = 0.0, relay: bool = False):
+        self.log, self.delay_s, self.relay = log, delay_s, relay
+
+    def __call__(self, item):
+        write(self.log, event="consume", item=item, t=time.monotonic())
+        time.sleep(self.delay_s)
+        return item if self.relay else None
+
+
+class GroupSizes:
+    """batch_items consumer: logs what a call got; returns a Batch with one row per item."""
+
+    def __init__(self, log: str, role: str):
+        self.log, self.role = log, role
+
+    def __call__(self, items):
+        import torch
+
+        from mcore_rl.data.batch import Batch
+
+        if isinstance(items, Batch):
+            write(self.log, role=self.role, kind="Batch", rows=len(items),
+                  x=items["x"].tolist(), meta=items.meta["x"])
+            return None
+        write(self.log, role=self.role, kind=type(items).__name__, x=list(items))
+        xs = list(items)
+        return Batch({"x": torch.tensor(xs)}, meta={"x": xs})
+
+
+class Interval:
+    """Sleeps ``delay_s`` per call and logs the call's start and end (for turn taking)."""
+
+    def __init__(self, log: str, name: str, delay_s: float, relay: bool = True):
+        self.log, self.name, self.delay_s, self.relay = log, name, delay_s, relay
+
+    def __call__(self, item):
+        start = time.monotonic()
+        time.sleep(self.delay_s)
+        write(self.log, name=self.name, start=start, end=time.monotonic())
+        return item if self.relay else None
+
+
+def placement(item):
+    """The process's affinity, torch threads and the CPUs Ray has free, as seen inside."""
+    import ray
+    import torch
+
+    return {"item": item, "cores": sorted(os.sched_getaffinity(0)),
+            "threads": torch.get_num_threads(), "pid": os.getpid(),
+            "free_cpus": ray.available_resources().get("CPU", 0.0)}
+
+
+class Faulty:
+    """Logs its pid and a child ``sleep 600`` it starts; fails on item ``fail_at``: raises,
+    or ``os._exit`` (a dead process), or waits to be killed from outside (``hang``)."""
+
+    def __init__(self, log: str, name: str, fail_at: int | None = None, how: str = "raise"):
+        self.log, self.name, self.fail_at, self.how, self.calls = log, name, fail_at, how, 0
+        child = subprocess.Popen(["sleep", "600"])
+        write(log, name=name, pid=os.getpid(), child=child.pid)
+
+    def __call__(self, item):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            if self.how == "raise":
+                raise ValueError(f"bad item in {self.name}")
+            if self.how == "exit":
+                os._exit(3)
+            time.sleep(600)
+        time.sleep(0.01)
+        return item
+
+
+def tensors(seed: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(1024, 1024, generator=g),
+            "ids": torch.randint(0, 50_000, (64, 512), generator=g)}
+
+
+def make_tensors(seed: int) -> dict:
+    return {"seed": seed, **tensors(seed)}
+
+
+def make_batch(seed: int):
+    from mcore_rl.data.batch import Batch
+
+    t = tensors(seed)
+    return Batch({"w": t["w"][:256], "ids": t["ids"][:256 // 4].repeat(4, 1)},
+                 meta={"seed": [seed] * 256})
+
+
+def make_tensors_or_batch(seed: int):
+    """A dict of tensors for seeds 1 and 2, a `Batch` for the others."""
+    return make_tensors(seed) if seed <= 2 else make_batch(seed)
+
+
+def check_tensors(log: str):
+    import torch
+
+    from mcore_rl.data.batch import Batch
+
+    def check(item):
+        if isinstance(item, Batch):
+            seeds = sorted(set(item.meta["seed"]))
+            want = Batch.cat([make_batch(s) for s in seeds])
+            equal = all(torch.equal(item[k], want[k]) for k in want.tensors)
+            write(log, kind="Batch", seeds=seeds, rows=len(item), equal=equal)
+        else:
+            want = tensors(item["seed"])
+            equal = all(torch.equal(item[k], want[k]) and item[k].dtype == want[k].dtype for k in want)
+            write(log, kind="dict", seeds=[item["seed"]], equal=equal)
+    return check
