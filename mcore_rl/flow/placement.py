@@ -12,14 +12,21 @@ from mcore_rl.errors import UsageError
 
 
 def pin_to_cores(cores: Sequence[int] | None) -> None:
-    """Pin this process to ``cores`` and give torch one intra-op thread per core."""
+    """Pin this process to ``cores`` and give torch one intra-op thread per core.
+
+    Affinity is per thread on Linux and a Ray actor runs its methods on several threads,
+    so every thread of the process is pinned; threads started later inherit it."""
     if not cores:
         return
     allowed = os.sched_getaffinity(0)
     if not set(cores) <= allowed:
         raise UsageError(f"devices {list(cores)} are not cores of this node "
                          f"(it may use {sorted(allowed)})")
-    os.sched_setaffinity(0, cores)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
     import torch
 
     torch.set_num_threads(len(cores))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,13 +93,26 @@ class Interval:
 
 
 def placement(item):
-    """The process's affinity, torch threads and the CPUs Ray has free, as seen inside."""
+    """The process's affinity, torch's threads (if the process imported torch: pinning
+    does) and the CPUs Ray has free, as seen from inside."""
     import ray
-    import torch
 
+    torch = sys.modules.get("torch")
     return {"item": item, "cores": sorted(os.sched_getaffinity(0)),
-            "threads": torch.get_num_threads(), "pid": os.getpid(),
+            "threads": torch.get_num_threads() if torch else None, "pid": os.getpid(),
             "free_cpus": ray.available_resources().get("CPU", 0.0)}
+
+
+class Placed:
+    """Logs where its process is pinned when built (after the strategy pinned it) and
+    appends the placement report of each call to the item (a list of reports)."""
+
+    def __init__(self, log: str, name: str):
+        self.log, self.name = log, name
+        write(log, name=name, at="build", **placement(None))
+
+    def __call__(self, item):
+        return [*(item if isinstance(item, list) else []), {"name": self.name, **placement(None)}]
 
 
 class Faulty:
@@ -163,3 +177,27 @@ def check_tensors(log: str):
             equal = all(torch.equal(item[k], want[k]) and item[k].dtype == want[k].dtype for k in want)
             write(log, kind="dict", seeds=[item["seed"]], equal=equal)
     return check
+
+
+class RankSum:
+    """For worker groups: every rank adds ``x * (rank + 1)`` in an all-reduce; logs its pid.
+    Rank ``fail_rank`` raises on call ``fail_at`` (before the collective, so the others
+    wait in it)."""
+
+    def __init__(self, log: str, fail_rank: int | None = None, fail_at: int | None = None):
+        import torch.distributed as dist
+
+        self.log, self.fail_rank, self.fail_at, self.calls = log, fail_rank, fail_at, 0
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        write(log, rank=self.rank, pid=os.getpid(), cores=sorted(os.sched_getaffinity(0)))
+
+    def __call__(self, x):
+        import torch
+        import torch.distributed as dist
+
+        self.calls += 1
+        if self.rank == self.fail_rank and self.calls == self.fail_at:
+            raise RuntimeError(f"rank {self.rank} failed")
+        total = torch.tensor([float(x) * (self.rank + 1)])
+        dist.all_reduce(total)
+        return {"x": x, "sum": total.item(), "rank": self.rank, "world": self.world}

@@ -34,7 +34,7 @@ def three_roles(log: str, failing: str, how: str = "raise") -> ControllerGroup:
 def assert_all_gone(log: str, expected: int) -> None:
     started = helpers.read(log)
     assert len(started) == expected
-    pids = [r["pid"] for r in started] + [r["child"] for r in started]
+    pids = [r["pid"] for r in started] + [r["child"] for r in started if "child" in r]
     deadline = time.monotonic() + 5.0  # SIGKILL is asynchronous; the kernel takes a moment
     while any(helpers.alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -94,3 +94,19 @@ def test_an_error_while_building_the_function_names_the_role(ray_cluster):
     with pytest.raises(FlowError, match=r"controller 'loader' #0 failed while setting up: "
                                         r"UsageError: module 'tests.flow.helpers' has no attribute"):
         launch(group, data=[1])
+
+
+def test_a_failing_rank_of_a_worker_group_ends_the_launch_while_the_others_wait(
+        ray_cluster, tmp_path):
+    log = str(tmp_path / "log.jsonl")
+    sums = DataStream("sums", 2)
+    group = ControllerGroup([
+        Controller("trainer", factory(helpers.RankSum, log, fail_rank=1, fail_at=2),
+                   data_output=sums, strategy="worker_group", num_workers=2),
+        Controller("sink", factory(helpers.Consume, str(tmp_path / "sink.jsonl")), data_input=sums)])
+    start = time.monotonic()
+    with pytest.raises(FlowError, match=r"controller 'trainer' #0 failed while running: "
+                                        r"RuntimeError: rank 1 failed"):
+        launch(group, data=list(range(10)))
+    assert time.monotonic() - start < LIMIT_S
+    assert_all_gone(log, expected=2)

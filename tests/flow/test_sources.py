@@ -43,16 +43,20 @@ def test_steps_stops_after_that_many_sink_calls_repeating_the_data(ray_cluster, 
     assert [x for pair in calls for x in pair] == [0, 1, 2] * 3 + [0]
 
 
-def test_steps_ends_an_endless_data_iterator(ray_cluster, tmp_path):
+def test_steps_ends_an_endless_data_iterator_with_exactly_that_many_calls_of_two_sinks(
+        ray_cluster, tmp_path):
     log = str(tmp_path / "log.jsonl")
-    stream = DataStream("numbers", buffer_size=2)
+    stream = DataStream("numbers", buffer_size=4)
     group = ControllerGroup([
         Controller("source", factory(helpers.Numbered, str(tmp_path / "src.jsonl")),
-                   data_output=stream),
-        Controller("sink", factory(helpers.Consume, log), data_input=stream)])
-    stats = launch(group, data=itertools.count(), steps=4)
-    assert [r["item"]["x"] for r in helpers.read(log)] == [0, 1, 2, 3]
-    assert stats.steps == 4
+                   data_output=stream)])
+    for _ in range(2):
+        group.add(Controller("sink", factory(helpers.Consume, log, delay_s=0.02),
+                             data_input=stream))
+    stats = launch(group, data=itertools.count(), steps=6)
+    xs = [r["item"]["x"] for r in helpers.read(log)]
+    assert len(xs) == len(set(xs)) == stats.steps == 6
+    assert min(s.calls for s in stats.instances if s.role == "sink") > 0  # both took part
 
 
 def test_a_one_shot_iterator_cannot_be_read_for_several_epochs():

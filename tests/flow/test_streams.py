@@ -45,9 +45,10 @@ def test_producer_blocked_on_full_stream_shows_blocked_on_output(fast_to_slow):
     _, stats = fast_to_slow
     producer, consumer = stats.roles["producer"], stats.roles["consumer"]
     assert producer.items_out == consumer.items_in == 20
-    assert consumer.busy_s == pytest.approx(20 * 0.04, rel=0.5)
-    assert producer.blocked_out_s > 0.4  # waiting for the consumer, most of the 0.8 s
-    assert producer.blocked_out_s > 10 * consumer.blocked_in_s
+    assert consumer.busy_s >= 20 * 0.04
+    # the producer spends the consumer's time waiting for room in the stream
+    assert producer.blocked_out_s > 0.5 * consumer.busy_s
+    assert producer.blocked_out_s > 10 * producer.busy_s
     for s in stats.instances:
         assert s.busy_s + s.blocked_in_s + s.blocked_out_s <= s.wall_s + 1e-3
 
@@ -60,9 +61,10 @@ def test_consumer_waiting_on_slow_producer_shows_blocked_on_input(ray_cluster, t
         Controller("consumer", factory(helpers.Consume, log), data_input=stream)])
     stats = launch(group, data=list(range(10)))
     producer, consumer = stats.roles["producer"], stats.roles["consumer"]
-    assert producer.busy_s == pytest.approx(10 * 0.04, rel=0.5)
-    assert consumer.blocked_in_s > 0.25
-    assert consumer.blocked_in_s > 5 * producer.blocked_out_s
+    assert producer.busy_s >= 10 * 0.04
+    # the consumer spends the producer's time waiting for items
+    assert consumer.blocked_in_s > 0.5 * producer.busy_s
+    assert consumer.blocked_in_s > 10 * consumer.busy_s
 
 
 @pytest.fixture(scope="module")

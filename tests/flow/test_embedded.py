@@ -1,0 +1,59 @@
+"""`launch` without a running Ray starts a local one and shuts it down again, and a
+worker-group controller runs its function SPMD on a gloo world of its own."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.flow import helpers
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = """
+import json, os, sys
+import ray
+from mcore_rl.flow import Controller, ControllerGroup, DataStream, factory, launch
+from tests.flow import helpers
+
+log = sys.argv[1]
+sums = DataStream("sums", 2)
+group = ControllerGroup([
+    Controller("ranks", factory(helpers.RankSum, log), data_output=sums, strategy="worker_group",
+               num_workers=2, devices=[0, 1] if len(os.sched_getaffinity(0)) > 1 else None),
+    Controller("sink", factory(helpers.Consume, log), data_input=sums)])
+stats = launch(group, data=[1, 2, 3])
+print(json.dumps({"initialized": ray.is_initialized(), "steps": stats.steps}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def ray_processes() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+def test_launch_starts_its_own_ray_and_shuts_it_down_running_a_worker_group(tmp_path):
+    log = str(tmp_path / "log.jsonl")
+    before = ray_processes()
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, log], cwd=REPO, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        line = driver.stdout.readline()  # launch returned; the driver is still alive
+        assert json.loads(line) == {"initialized": False, "steps": 3}
+        deadline = time.monotonic() + 10
+        while ray_processes() - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ray_processes() - before == set()
+    finally:
+        driver.communicate("\n", timeout=30)
+    assert driver.returncode == 0
+    records = helpers.read(log)
+    ranks = sorted((r["rank"], r["cores"]) for r in records if "event" not in r)
+    assert [r for r, _ in ranks] == [0, 1]
+    if len(os.sched_getaffinity(0)) > 1:
+        assert [c for _, c in ranks] == [[0], [1]]
+    results = [r["item"] for r in records if r.get("event") == "consume"]
+    assert results == [{"x": x, "sum": 3.0 * x, "rank": 0, "world": 2} for x in (1, 2, 3)]
