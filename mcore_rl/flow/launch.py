@@ -7,6 +7,7 @@ the first failure, a raised exception or a dead process, ends the launch at once
 actor is killed with the processes it started, and `FlowError` names the instance."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Iterable
@@ -18,9 +19,12 @@ from mcore_rl.flow.graph import ControllerGroup
 from mcore_rl.flow.hub import Hub
 from mcore_rl.flow.plan import FEED, InstanceSpec, Plan, build_plan
 from mcore_rl.flow.stats import FlowStats
+from mcore_rl.flow.strategies import STRATEGIES
 
 POLL_S = 0.2
 """How often the driver looks at the data feeder while it waits on the controllers."""
+KILL_WAIT_S = 2.0
+"""At most this long for Ray's kill of the actors before their process groups are killed."""
 
 
 class FlowError(RuntimeError):
@@ -55,6 +59,8 @@ def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
         raise UsageError(f"num_epochs={num_epochs} reads data again, but it is a one-shot "
                          "iterator: give a list or another re-iterable")
     plan = build_plan(group, data is not None, steps, feed_buffer)
+    for spec in plan.instances:
+        STRATEGIES.entry(spec.strategy)  # an unknown name fails here, before Ray starts
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, include_dashboard=False)
@@ -146,11 +152,22 @@ class _Launch:
             ray.wait(kills, num_returns=len(kills), timeout=2.0)
         for actor in [*self.actors, self.hub]:
             ray.kill(actor, no_restart=True)
-        for node, pid in self.processes:
-            if node == here:
-                kill_process_group(pid)
+        local = [pid for node, pid in self.processes if node == here]
+        deadline = time.monotonic() + KILL_WAIT_S  # Ray's own kill first: it logs no error
+        while any(_alive(pid) for pid in local) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for pid in local:  # then what they started (and any process that outlived the kill)
+            kill_process_group(pid)
         if self.feeder is not None:
             self.feeder.join(timeout=5.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _describe(err: BaseException) -> str:
@@ -170,7 +187,11 @@ def _failure(spec: InstanceSpec, method: str, err: Exception) -> FlowError:
         cause_type = type(cause).__name__
         detail = str(err)
     elif isinstance(err, exceptions.RayActorError):
-        what = f"its process died ({type(err).__name__})"
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        if getattr(err, "actor_init_failed", False) and lines:  # e.g. unpicklable function
+            what = lines[-1]
+        else:
+            what = f"its process died ({type(err).__name__})"
         cause_type, detail = type(err).__name__, str(err)
     else:
         what, cause_type, detail = _describe(err), type(err).__name__, ""

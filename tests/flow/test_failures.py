@@ -110,3 +110,30 @@ def test_a_failing_rank_of_a_worker_group_ends_the_launch_while_the_others_wait(
         launch(group, data=list(range(10)))
     assert time.monotonic() - start < LIMIT_S
     assert_all_gone(log, expected=2)
+
+
+def broken_data():
+    yield 1
+    raise KeyError("no more prompts")
+
+
+def test_data_that_fails_ends_the_launch_with_its_error(ray_cluster, tmp_path):
+    stream = DataStream("items", 2)
+    group = ControllerGroup([
+        Controller("source", factory(helpers.Consume, str(tmp_path / "a.jsonl"), relay=True),
+                   data_output=stream),
+        Controller("sink", factory(helpers.Consume, str(tmp_path / "b.jsonl")), data_input=stream)])
+    with pytest.raises(FlowError, match=r"the launch's data failed: KeyError: 'no more prompts'"):
+        launch(group, data=broken_data())
+
+
+def test_a_function_its_process_cannot_import_is_reported_at_start(ray_cluster, tmp_path,
+                                                                  monkeypatch):
+    (tmp_path / "only_on_the_driver.py").write_text("def double(x):\n    return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the driver's path, not the actors'
+    from only_on_the_driver import double
+
+    group = ControllerGroup([Controller("loader", double)])
+    with pytest.raises(FlowError, match=r"controller 'loader' #0 failed while starting: "
+                                        r"ModuleNotFoundError: No module named 'only_on_the_driver'"):
+        launch(group, data=[1])

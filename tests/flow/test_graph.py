@@ -91,3 +91,9 @@ def test_launch_without_ray_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(ray_shim, "available", lambda: False)
     with pytest.raises(UsageError, match=r"pip install ray"):
         launch(ControllerGroup([Controller("only", noop)]), data=[1])
+
+
+def test_an_unknown_strategy_is_refused_before_ray_starts():
+    group = ControllerGroup([Controller("only", noop, strategy="megatron_group")])
+    with pytest.raises(UsageError, match="unknown controller strategy 'megatron_group'"):
+        launch(group, data=[1])
