@@ -76,12 +76,11 @@ class _Launch:
 
     def __init__(self, plan: Plan, steps: int | None):
         self.ray = ray_shim.require()
-        self.plan = plan
-        self.hub = ray_shim.actor_class(Hub).options(num_cpus=0).remote(plan.streams, steps)
-        controller = ray_shim.actor_class(ControllerProcess)
-        self.actors = [controller.options(num_cpus=0, max_concurrency=2).remote(spec)
-                       for spec in plan.instances]
+        self.plan, self.steps = plan, steps
+        self.hub: Any = None
+        self.actors: list = []
         self.processes: list[tuple[str, int]] = []
+        """(node id, pid) of every process started, for the teardown."""
         self.stopping = threading.Event()
         self.feed_error: BaseException | None = None
         self.feeder: threading.Thread | None = None
@@ -89,6 +88,11 @@ class _Launch:
     def execute(self, data: Iterable[Any] | None, num_epochs: int | None) -> FlowStats:
         start = time.perf_counter()
         try:
+            self.hub = ray_shim.actor_class(Hub).options(num_cpus=0).remote(
+                self.plan.streams, self.steps)
+            controller = ray_shim.actor_class(ControllerProcess)
+            self.actors = [controller.options(num_cpus=0, max_concurrency=2).remote(spec)
+                           for spec in self.plan.instances]
             self.processes += self._wait_all("where")
             self.processes += [p for ps in self._wait_all("setup") for p in ps]
             if data is not None:
@@ -150,7 +154,7 @@ class _Launch:
         if remote:
             kills = [a.kill_group.remote() for a in self.actors]
             ray.wait(kills, num_returns=len(kills), timeout=2.0)
-        for actor in [*self.actors, self.hub]:
+        for actor in [*self.actors, *([self.hub] if self.hub is not None else [])]:
             ray.kill(actor, no_restart=True)
         local = [pid for node, pid in self.processes if node == here]
         deadline = time.monotonic() + KILL_WAIT_S  # Ray's own kill first: it logs no error
