@@ -41,6 +41,9 @@ from mcore_rl.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("generate", "score", "logprobs", "update")
+OUR_PHASES = {"logprobs": ("logprobs", "kl_penalty", "advantages")}
+"""Our ``time/*`` metrics summed into a compared phase: TRL's log-prob phase also computes
+the KL penalty and the advantages (every other phase has one metric of its name)."""
 TARGET_SPEEDUP = {"smollm2": 1.5}
 
 
@@ -93,7 +96,9 @@ def run_ours(config: Path, overrides: list[str], log_dir: Path) -> list[dict]:
     for r in records:
         if "time/step" not in r:
             continue
-        steps.append({"step": r["time/step"], **{p: r.get(f"time/{p}", 0.0) for p in PHASES},
+        steps.append({"step": r["time/step"],
+                      **{p: sum(r.get(f"time/{m}", 0.0) for m in OUR_PHASES.get(p, (p,)))
+                         for p in PHASES},
                       "values": r.get("time/values", 0.0), "sync": r.get("time/sync", 0.0),
                       "tokens": r["perf/tokens"], "responses": r["perf/responses"]})
     return steps
@@ -121,7 +126,7 @@ def trl_spec(cfg, model_dir: Path, out_dir: Path, steps: int, threads: int) -> d
         "records": [{"prompt": x.prompt, "meta": x.meta} for x in records],
         "chat": cfg.data.apply_chat_template and bool(getattr(getattr(tokenizer, "tok", None),
                                                               "chat_template", None)),
-        "reward": _reward_name(cfg),
+        "reward": cfg.reward.name,
         "seed": cfg.train.seed, "steps": steps, "prompts_per_step": cfg.data.prompts_per_step,
         "num_generations": r.n_samples_per_prompt, "micro_batch": micro,
         "max_new_tokens": r.max_new_tokens, "min_new_tokens": r.min_new_tokens,
@@ -132,10 +137,6 @@ def trl_spec(cfg, model_dir: Path, out_dir: Path, steps: int, threads: int) -> d
         "clip_low": a.clip_ratio_low, "clip_high": a.clip_ratio_high,
         "bf16": cfg.model.dtype == "bf16",
     }
-
-
-def _reward_name(cfg) -> str:
-    return "exact" if cfg.reward.name == "builtin" else cfg.reward.name
 
 
 def run_trl(spec: dict, work: Path) -> list[dict]:

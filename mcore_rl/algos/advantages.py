@@ -18,6 +18,8 @@ import torch
 from mcore_rl.registry import Registry
 
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
+"""Name -> ``fn(AdvantageInputs, gamma=, lam=, whiten=) -> (advantages, returns)``; metadata
+``needs_critic`` (True: the run builds a critic and passes its values)."""
 
 
 @dataclass
@@ -90,7 +92,7 @@ def reinforce_plus_plus(x: AdvantageInputs, gamma: float = 1.0, lam: float = 1.0
     return masked_whiten(returns, x.response_mask), returns
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@ADVANTAGE_ESTIMATORS.register("gae", needs_critic=True)
 def gae_estimator(x: AdvantageInputs, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True):
     """PPO's GAE over response tokens with the critic's values (``kernels.gae``)."""
     from mcore_rl.kernels import gae
@@ -103,4 +105,6 @@ def gae_estimator(x: AdvantageInputs, gamma: float = 1.0, lam: float = 0.95, whi
     return adv, returns
 
 
-NEEDS_CRITIC = {"gae"}
+def needs_critic(name: str) -> bool:
+    """Whether the estimator ``name`` uses critic values (its ``needs_critic`` metadata)."""
+    return bool(ADVANTAGE_ESTIMATORS.meta(name, "needs_critic", False))

@@ -5,7 +5,10 @@ from mcore_rl.config import dump_yaml, load_config, validate_config
 
 
 def show(args) -> int:
+    from mcore_rl.rl.job_check import check_registered_names
+
     cfg = validate_config(load_config(args.config, args.overrides), world_size=args.world_size)
+    check_registered_names(cfg)
     print(dump_yaml(cfg), end="")
     return 0
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mcore_rl.config import DataConfig
 from mcore_rl.errors import UsageError
+from mcore_rl.registry import Registry
 
 
 @dataclass
@@ -88,24 +89,43 @@ class PromptStream:
         return out
 
 
-def load_prompt_records(cfg: DataConfig, split: str) -> list[PromptRecord]:
-    """Train or validation records of the configured source."""
-    if cfg.source in ("jsonl", "parquet"):
-        if split == "val" and cfg.val_path:
-            return read_records(cfg.val_path, cfg.prompt_key, cfg.answer_key)
-        if not cfg.path:
-            raise UsageError(f"data.source={cfg.source} needs data.path")
-        records = read_records(cfg.path, cfg.prompt_key, cfg.answer_key)
-        if split == "val":
-            return records[:cfg.num_val]
-        return records[cfg.num_val:] if not cfg.val_path and len(records) > cfg.num_val else records
-    if cfg.source == "reasoning_gym":
-        if not cfg.task:
-            raise UsageError("data.source=reasoning_gym needs data.task (e.g. basic_arithmetic)")
-        seed = cfg.seed + (7919 if split == "val" else 0)
-        return reasoning_gym_records(cfg.task, cfg.num_val if split == "val" else 2000, seed)
-    if cfg.source == "builtin":
-        from mcore_rl.data.toy_task import toy_records
+PROMPT_SOURCES: Registry = Registry("prompt source")
+"""``data.source`` name -> ``fn(cfg: DataConfig, split: "train" | "val") -> list[PromptRecord]``."""
 
-        return toy_records(split, cfg.num_val, cfg.seed)
-    raise UsageError(f"unknown data.source '{cfg.source}'")
+
+@PROMPT_SOURCES.register("jsonl", aliases=("parquet",))
+def file_records(cfg: DataConfig, split: str) -> list[PromptRecord]:
+    """Records of the JSONL or parquet file ``data.path`` (by its suffix; validation: ``data.val_path``, or the first ``num_val`` rows)."""
+    if split == "val" and cfg.val_path:
+        return read_records(cfg.val_path, cfg.prompt_key, cfg.answer_key)
+    if not cfg.path:
+        raise UsageError(f"data.source={cfg.source} needs data.path")
+    records = read_records(cfg.path, cfg.prompt_key, cfg.answer_key)
+    if split == "val":
+        return records[:cfg.num_val]
+    return records[cfg.num_val:] if not cfg.val_path and len(records) > cfg.num_val else records
+
+
+@PROMPT_SOURCES.register("reasoning_gym")
+def reasoning_gym_source(cfg: DataConfig, split: str) -> list[PromptRecord]:
+    """Generated items of the reasoning-gym task ``data.task`` (validation: another seed)."""
+    if not cfg.task:
+        raise UsageError("data.source=reasoning_gym needs data.task (e.g. basic_arithmetic)")
+    seed = cfg.seed + (7919 if split == "val" else 0)
+    return reasoning_gym_records(cfg.task, cfg.num_val if split == "val" else 2000, seed)
+
+
+@PROMPT_SOURCES.register("builtin")
+def builtin_source(cfg: DataConfig, split: str) -> list[PromptRecord]:
+    """The quick start's single-digit addition task."""
+    from mcore_rl.data.toy_task import toy_records
+
+    return toy_records(split, cfg.num_val, cfg.seed)
+
+
+def load_prompt_records(cfg: DataConfig, split: str) -> list[PromptRecord]:
+    """Train or validation records of the configured source (``data.source``); no
+    validation records at ``data.num_val=0``."""
+    if split == "val" and cfg.num_val == 0:
+        return []
+    return PROMPT_SOURCES.get(cfg.source)(cfg, split)

@@ -4,9 +4,9 @@
     rollouts = engine.generate(prompt_ids, sampling_from_config(cfg.rollout, stop_ids),
                                seeds=per_prompt_seeds)      # controller (rank 0) only
     batch = rollouts.to_batch(pad_id)     # + rollout_logprobs, finish_reason, weight_version
-    ... train ...
-    sync.sync(version)          # mcore_rl.reshard.WeightSync, on every trainer rank
-    engine.sleep() / engine.wake()        # colocated: around training (frees memory on GPU)
+    # sync: mcore_rl.reshard.WeightSync, on every trainer rank
+    engine.sleep()          # colocated: the trainer updates (frees memory on GPU)
+    engine.wake_weights(); sync.sync(version); engine.wake_kv_cache()   # then generate again
 
 Importing this package never imports vLLM or SGLang; choosing an engine that is not
 installed raises a one-line `UsageError` naming the package.
@@ -14,33 +14,44 @@ installed raises a one-line `UsageError` naming the package.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 from mcore_rl.engines.base import (RolloutEngine, Rollouts, RolloutSample, SamplingConfig,
                                    WeightSyncError)
-from mcore_rl.errors import UsageError
+from mcore_rl.registry import Registry
+
+ENGINES: Registry = Registry("rollout engine")
+"""Engine name -> factory ``(cfg: RolloutConfig, model_dir, *, dtype, seed, max_model_len,
+**kwargs) -> RolloutEngine``; each factory reads the fields of ``cfg`` that concern it and
+imports its engine only when called."""
 
 
-def _vllm(model_dir, **kwargs) -> RolloutEngine:
+@ENGINES.register("vllm")
+def _vllm(cfg, model_dir, **kwargs) -> RolloutEngine:
     from mcore_rl.engines.vllm_engine import VLLMEngine
 
-    return VLLMEngine(model_dir, **kwargs)
+    kwargs.setdefault("weight_loading", cfg.weight_loading)
+    kwargs.setdefault("timeout_s", cfg.engine_timeout_s)
+    return VLLMEngine(model_dir, **_common(cfg), **kwargs)
 
 
-def _sglang(model_dir, **kwargs) -> RolloutEngine:
+@ENGINES.register("sglang")
+def _sglang(cfg, model_dir, **kwargs) -> RolloutEngine:
     from mcore_rl.engines.sglang_engine import SGLangEngine
 
-    return SGLangEngine(model_dir, **kwargs)
+    return SGLangEngine(model_dir, **_common(cfg), **kwargs)
 
 
-def _hf(model_dir, **kwargs) -> RolloutEngine:
+@ENGINES.register("hf")
+def _hf(cfg, model_dir, **kwargs) -> RolloutEngine:
     from mcore_rl.engines.hf_engine import HFEngine
 
-    return HFEngine(model_dir, **kwargs)
+    return HFEngine(model_dir, **_common(cfg), **kwargs)
 
 
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {"vllm": _vllm, "sglang": _sglang, "hf": _hf}
-"""Engine name -> factory ``(model_dir, tp=, dtype=, seed=, placement=, ...) -> RolloutEngine``."""
+def _common(cfg) -> dict:
+    """The `RolloutConfig` fields every engine takes."""
+    return {"tp": cfg.engine_tp, "placement": cfg.placement,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization}
 
 
 def build_rollout_engine(cfg, model_dir: str | Path, *, dtype: str = "fp32", seed: int = 0,
@@ -48,14 +59,9 @@ def build_rollout_engine(cfg, model_dir: str | Path, *, dtype: str = "fp32", see
     """The engine ``cfg.engine`` (a `RolloutConfig`) for the HF model in ``model_dir``, with
     TP ``cfg.engine_tp`` and cores split by ``cfg.placement``. Extra keyword arguments go to
     the engine (e.g. ``max_model_len``, ``load_format="dummy"`` to start without weights)."""
-    if cfg.engine not in ENGINES:
-        raise UsageError(f"unknown rollout engine {cfg.engine!r} (engines: {', '.join(ENGINES)})")
-    max_len = kwargs.pop("max_model_len", cfg.max_prompt_tokens + cfg.max_new_tokens)
-    if cfg.engine == "vllm":
-        kwargs.setdefault("weight_loading", cfg.weight_loading)
-    return ENGINES[cfg.engine](model_dir, tp=cfg.engine_tp, dtype=dtype, seed=seed,
-                               placement=cfg.placement, max_model_len=max_len,
-                               gpu_memory_utilization=cfg.gpu_memory_utilization, **kwargs)
+    factory = ENGINES.get(cfg.engine)
+    kwargs.setdefault("max_model_len", cfg.max_prompt_tokens + cfg.max_new_tokens)
+    return factory(cfg, model_dir, dtype=dtype, seed=seed, **kwargs)
 
 
 def sampling_from_config(cfg, stop_token_ids=(), seed: int | None = None) -> SamplingConfig:

@@ -41,7 +41,7 @@ def math_reward(prompt: str, response: str, meta: dict) -> float:
     return 1.0 if answers_match(extract_answer(response), meta["answer"]) else 0.0
 
 
-@REWARDS.register("exact")
+@REWARDS.register("exact", aliases=("builtin",))
 def exact_reward(prompt: str, response: str, meta: dict) -> float:
     """1.0 when the stripped response equals ``meta["answer"]`` exactly."""
     return 1.0 if response.strip() == str(meta["answer"]).strip() else 0.0

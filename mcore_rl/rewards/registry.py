@@ -20,6 +20,9 @@ from mcore_rl.registry import Registry
 
 RewardFn = Callable[[str, str, dict], float]
 REWARDS: Registry = Registry("reward")
+REWARDS.refuse("reward_model", "scoring with a trained reward model (reward.reward_model_path) "
+               "is not implemented yet; use a rule-based reward (exact, math, reasoning_gym) or "
+               "your own function as reward.name=package.module:function")
 
 
 class RewardError(UsageError):

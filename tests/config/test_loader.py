@@ -40,7 +40,7 @@ def test_unknown_key_suggests_the_closest_valid_one(tmp_path):
     ("parallel.tp=two", r"parallel.tp: expected int, got 'two'"),
     ("parallel.tp=1.5", r"parallel.tp: expected int, got 1.5"),
     ("model.tie_word_embeddings=3", r"model.tie_word_embeddings: expected bool"),
-    ("rollout.engine=vlm", r"rollout.engine: must be one of 'vllm', 'sglang', 'hf', got 'vlm'; did you mean 'vllm'"),
+    ("rollout.placement=colo", r"rollout.placement: must be one of 'colocated', 'separate', got 'colo'"),
     ("parallel.vpp=x", r"parallel.vpp: expected int \| null, got 'x'"),
 ])
 def test_wrong_types_name_the_field_and_expected_type(override, message):

@@ -8,7 +8,7 @@ from mcore_rl.errors import UsageError
 
 
 def test_engines_are_registered_by_name():
-    assert set(ENGINES) == {"vllm", "sglang", "hf"}
+    assert ENGINES.names() == ["hf", "sglang", "vllm"]
 
 
 @pytest.mark.parametrize("engine, shim, package", [("sglang", sglang_shim, "sglang"),
@@ -24,18 +24,19 @@ def test_choosing_an_engine_that_is_not_installed_says_what_to_install_in_one_li
 
 
 def test_the_config_chooses_how_vllm_loads_weights_and_other_engines_are_not_told(monkeypatch):
-    import mcore_rl.engines as engines
-
     seen = {}
-    monkeypatch.setitem(engines.ENGINES, "vllm", lambda model_dir, **kw: seen.setdefault("vllm", kw))
-    monkeypatch.setitem(engines.ENGINES, "hf", lambda model_dir, **kw: seen.setdefault("hf", kw))
+    monkeypatch.setattr("mcore_rl.engines.vllm_engine.VLLMEngine",
+                        lambda model_dir, **kw: seen.setdefault("vllm", kw))
+    monkeypatch.setattr("mcore_rl.engines.hf_engine.HFEngine",
+                        lambda model_dir, **kw: seen.setdefault("hf", kw))
     build_rollout_engine(RolloutConfig(engine="vllm", weight_loading="layerwise"), "/m")
     build_rollout_engine(RolloutConfig(engine="hf", weight_loading="layerwise"), "/m")
     assert seen["vllm"]["weight_loading"] == "layerwise" and "weight_loading" not in seen["hf"]
+    assert seen["vllm"]["timeout_s"] == RolloutConfig().engine_timeout_s
 
 
 def test_an_unknown_engine_name_lists_the_engines():
-    with pytest.raises(UsageError, match="vllm, sglang, hf"):
+    with pytest.raises(UsageError, match=r"unknown rollout engine 'trt' \(registered: hf, sglang, vllm"):
         build_rollout_engine(RolloutConfig(engine="trt"), "/nowhere")
 
 

@@ -1,5 +1,8 @@
 """``reshard.verify``: after a sync, the engine and the trainer must agree on log-probs.
 
+It lives with the RL phases because it needs both sides: the rollout engine and the
+trainer's `TrainEngine`.
+
 The controller's engine samples a fixed probe batch (fixed prompts and seed) at the rollout
 temperature, returning its per-token log-probs; every trainer rank then computes the
 log-probs of the same sequences with the `TrainEngine` (same convention:
@@ -60,7 +63,7 @@ def verify_engine_logprobs(train_engine, engine, prompts: list[list[int]], *, te
     diff = (trainer - batch["rollout_logprobs"]).abs()[mask]
     report = VerifyReport(diff.max().item(), diff.mean().item(), int(mask.sum()), temperature,
                           version)
-    if report.max_abs_diff > tolerance:
+    if not report.max_abs_diff <= tolerance:  # NaN fails too
         raise LogprobMismatchError(
             f"after the sync to weight version {version}, engine and trainer log-probs differ "
             f"by up to {report.max_abs_diff:.3g} (mean {report.mean_abs_diff:.3g}) over "

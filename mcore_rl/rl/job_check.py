@@ -1,0 +1,40 @@
+"""Names in a config checked against their registries, before any rank starts.
+
+Each config field that names a variant (an engine, a prompt source, a reward, an advantage
+estimator, a policy loss, a weight-sync transport) is looked up in the registry that holds it, so a new variant
+needs only its registry entry, and a wrong or unavailable name is one line naming the
+field, what is registered, and the closest match.
+"""
+from __future__ import annotations
+
+from mcore_rl.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from mcore_rl.config import RLConfig
+from mcore_rl.data.prompts import PROMPT_SOURCES
+from mcore_rl.engines import ENGINES
+from mcore_rl.errors import UsageError
+from mcore_rl.registry import Registry
+from mcore_rl.rewards import REWARDS
+
+
+def named_variants(cfg: RLConfig) -> list[tuple[str, str, Registry]]:
+    """(config field, the name it holds, the registry it names an entry of)."""
+    from mcore_rl.reshard.transports import TRANSPORTS
+
+    transport = [] if cfg.reshard.transport == "auto" else [
+        ("reshard.transport", cfg.reshard.transport, TRANSPORTS)]
+    return transport + [
+        ("rollout.engine", cfg.rollout.engine, ENGINES),
+        ("data.source", cfg.data.source, PROMPT_SOURCES),
+        ("reward.name", cfg.reward.name, REWARDS),
+        ("algorithm.advantage_estimator", cfg.algorithm.advantage_estimator, ADVANTAGE_ESTIMATORS),
+        ("algorithm.policy_loss", cfg.algorithm.policy_loss, POLICY_LOSSES),
+    ]
+
+
+def check_registered_names(cfg: RLConfig) -> None:
+    """Raise a one-line `UsageError` for the first name its registry does not hold."""
+    for where, name, registry in named_variants(cfg):
+        try:
+            registry.entry(name)
+        except UsageError as err:
+            raise UsageError(f"{where}: {err}") from None

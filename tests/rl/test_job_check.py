@@ -1,0 +1,42 @@
+"""Every name in a config is checked against its registry before any rank starts: one line
+naming the field, what is registered and the closest match; aliases resolve; a reserved
+name that is not available yet is refused with the reason."""
+import pytest
+
+from mcore_rl.config import load_config
+from mcore_rl.errors import UsageError
+from mcore_rl.rl.job_check import check_registered_names, named_variants
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.engine=vlm", r"^rollout.engine: unknown rollout engine 'vlm'; did you mean 'vllm'\? "
+                           r"\(registered: hf, sglang, vllm; or give module:attr\)$"),
+    ("data.source=jsnl", r"^data.source: unknown prompt source 'jsnl'; did you mean 'jsonl'\?"),
+    ("reward.name=exatc", r"^reward.name: unknown reward 'exatc'; did you mean 'exact'\?"),
+    ("algorithm.advantage_estimator=grop", r"^algorithm.advantage_estimator: unknown advantage "
+                                           r"estimator 'grop'; did you mean 'grpo'\?"),
+    ("algorithm.policy_loss=ppo", r"^algorithm.policy_loss: unknown policy loss 'ppo'"),
+    ("reward.name=reward_model", r"^reward.name: reward 'reward_model' is not available: scoring "
+                                 r"with a trained reward model .* is not implemented yet"),
+    ("reward.name=no_such_module:fn", r"^reward.name: cannot import module 'no_such_module'"),
+])
+def test_an_unregistered_name_is_one_line_naming_the_field(override, message):
+    with pytest.raises(UsageError, match=message) as err:
+        check_registered_names(load_config(None, [override]))
+    assert "\n" not in str(err.value)
+
+
+def test_aliases_and_user_objects_resolve_to_their_entries():
+    cfg = load_config(None, ["reward.name=builtin", "data.source=parquet",
+                             "algorithm.advantage_estimator=mcore_rl.algos.advantages:grpo"])
+    check_registered_names(cfg)
+    by_field = {where: registry.entry(name) for where, name, registry in named_variants(cfg)}
+    assert by_field["reward.name"].name == "exact"
+    assert by_field["data.source"].name == "jsonl"
+    assert by_field["algorithm.advantage_estimator"].obj.__name__ == "grpo"
+
+
+def test_the_critic_is_a_fact_of_the_estimator_entry():
+    from mcore_rl.algos import ADVANTAGE_ESTIMATORS, needs_critic
+
+    assert [n for n in ADVANTAGE_ESTIMATORS.names() if needs_critic(n)] == ["gae"]
