@@ -32,6 +32,10 @@ import signal
 import threading
 from pathlib import Path
 
+from mcore_rl.errors import StopRequested
+
+__all__ = ["STOP_EXIT_CODE", "STOP_FILE_ENV", "StopRequested", "StopSignal", "stop_exit_code"]
+
 STOP_FILE_ENV = "MCORE_RL_STOP_FILE"
 """Environment variable naming the stop file (set by the sbatch script)."""
 STOP_EXIT_CODE = 3
@@ -42,15 +46,6 @@ ACK_SUFFIX = ".saved"
 def stop_exit_code() -> int:
     """The exit status of a rank after an acknowledged stop (see step 4 above)."""
     return 0 if "TORCHELASTIC_RUN_ID" in os.environ else STOP_EXIT_CODE
-
-
-class StopRequested(Exception):
-    """Raised by a training loop after it saved the checkpoint of an agreed stop."""
-
-    def __init__(self, step: int, checkpoint: str | os.PathLike):
-        super().__init__(f"stopped after step {step}; checkpoint {checkpoint}")
-        self.step = step
-        self.checkpoint = Path(checkpoint)
 
 
 class StopSignal:

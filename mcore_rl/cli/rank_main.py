@@ -1,4 +1,4 @@
-"""What every rank of `mcore-rl train` runs."""
+"""What every rank of `mcore-rl train` runs (part of the CLI: it joins the launcher's world)."""
 from __future__ import annotations
 
 import json
@@ -19,11 +19,13 @@ def rank_main(cfg: RLConfig) -> None:
     from pathlib import Path
 
     from mcore_rl.launch.preflight import describe, run_preflight
+    from mcore_rl.engines.liveness import EngineDiedError
     from mcore_rl.launch.stop_signal import StopRequested, StopSignal, stop_exit_code
     from mcore_rl.train.smoke import run_smoke
 
-    # vLLM logs every request at INFO; keep the console for the run's own progress.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM logs every request at INFO; keep the console for the run's own progress, and
+    # its warnings (an engine that dies says why).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     stop = StopSignal().install()
     p = cfg.parallel
     init_process_group(p.backend)
@@ -46,6 +48,10 @@ def rank_main(cfg: RLConfig) -> None:
         where = f" (rank {ctx.rank})" if ctx.rank else ""
         print(f"mcore-rl train: error{where}: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except EngineDiedError as err:
+        # The engine's own words are in the message (its last output); no traceback of ours.
+        print(f"mcore-rl train: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except StopRequested as req:
         stop.acknowledge(ctx, req.step)
         if ctx.rank == 0:

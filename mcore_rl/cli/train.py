@@ -13,6 +13,9 @@ from mcore_rl.errors import UsageError
 def run(args) -> int:
     from mcore_rl.parallel.local_launch import adopt_slurm_environment, launcher_world_size, run_ranks
 
+    if args.nproc is not None and args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}; give the number of local ranks "
+                         "to start, or leave it out for tp*pp*dp of the config")
     cfg = load_config(args.config, args.overrides)
     launched = launcher_world_size()
     if launched is not None and args.nproc not in (None, launched):
@@ -24,7 +27,12 @@ def run(args) -> int:
         from mcore_rl.rl.setup import check_job
 
         check_job(cfg)
-    from mcore_rl.entry import rank_main, rank_main_from_dict
+    else:
+        from mcore_rl.train.run_checkpoints import RunCheckpoints
+
+        RunCheckpoints.for_config(cfg).resolve_resume(cfg.checkpoint.resume, ["model"],
+                                                      cfg.logging.dir)
+    from mcore_rl.cli.rank_main import rank_main, rank_main_from_dict
 
     if launched is not None:
         adopt_slurm_environment()

@@ -64,8 +64,8 @@ class ParallelConfig:
 class RolloutConfig:
     """Generation of responses by the inference engine."""
 
-    engine: Literal["vllm", "sglang", "hf"] = "vllm"
-    """Inference engine."""
+    engine: str = "vllm"
+    """Registered inference engine (`mcore_rl.engines.ENGINES`): vllm, sglang, hf."""
     placement: Literal["colocated", "separate"] = "colocated"
     """colocated: engine and trainer time-share the same devices; separate: own devices."""
     engine_tp: int = 1
@@ -89,6 +89,10 @@ class RolloutConfig:
     """Responses cut at max_new_tokens: excluded from the loss, given the minimum reward, or kept."""
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory the engine may take (GPU)."""
+    engine_timeout_s: float = 600.0
+    """Longest wait for one call into an engine that runs in processes of its own (a
+    generation, one bucket of a weight sync); an engine process that dies ends the wait
+    within a second whatever this is."""
     weight_loading: Literal["auto", "layerwise"] = "auto"
     """vLLM only: how a weight sync loads. auto: straight into the live modules where the model
     has mcore-rl's layout and unquantized weights (otherwise as layerwise); layerwise: always
@@ -105,11 +109,13 @@ class ReshardConfig:
     shm_dir: str = "/dev/shm"
     """Directory of the file weights reach the engine through (a tmpfs: RAM, no disk): the
     bucket file, or with the shared transport the trainer's parameters."""
-    transport: Literal["auto", "shared", "buckets"] = "auto"
-    """How weights reach the engine. shared: the trainer's parameters are moved into a
-    shared-memory file the engine maps, and a sync only checksums them (CPU parameters that
-    own their memory, in the wire dtype); buckets: every sync copies them into the bucket
-    file; auto: shared where possible, buckets otherwise (the reason is logged)."""
+    transport: str = "auto"
+    """How weights reach the engine: a registered transport (`mcore_rl.reshard.TRANSPORTS`)
+    or module:Class. shared: the trainer's parameters are moved into a shared-memory file
+    the engine maps, and a sync only checksums them (CPU parameters that own their memory,
+    in the wire dtype); buckets: every sync copies them into the bucket file; auto: shared
+    where possible, buckets otherwise (the reason is logged). Trainer ranks on another node
+    than the engine relay their pieces to it over the process group either way."""
     wire_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Dtype of the weights in the bucket; auto: the trainer's parameter dtype."""
     checksum: Literal["sum64", "crc32"] = "sum64"
@@ -215,8 +221,9 @@ class OptimizerConfig:
 class DataConfig:
     """Prompts for training and validation."""
 
-    source: Literal["jsonl", "parquet", "reasoning_gym", "builtin"] = "builtin"
-    """Where prompts come from; builtin: the quick start's synthetic task."""
+    source: str = "builtin"
+    """Registered prompt source (`mcore_rl.data.PROMPT_SOURCES`): jsonl, parquet,
+    reasoning_gym, builtin (the quick start's synthetic task)."""
     path: str = ""
     """Training file (jsonl/parquet)."""
     val_path: str = ""
@@ -242,9 +249,10 @@ class RewardConfig:
     """How responses are scored."""
 
     name: str = "builtin"
-    """Registered reward (e.g. math, reasoning_gym, reward_model) or module:function."""
+    """Registered reward (exact, alias builtin; math; reasoning_gym) or module:function.
+    reward_model (a trained reward model) is reserved and refused until it is implemented."""
     reward_model_path: str = ""
-    """Checkpoint of the reward model (name=reward_model)."""
+    """Checkpoint of the reward model (name=reward_model, reserved)."""
     truncation_penalty: float = 0.0
     """Reward given to responses cut at the length limit (truncated_response=penalize)."""
 
@@ -325,6 +333,10 @@ class TrainConfig:
     """Learning rate of the supervised warm start."""
     warm_start_batch: int = 32
     """Prompts per supervised warm-start step."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A loss or gradient that is not finite (on any rank): the optimizer step is never
+    applied; stop: the run ends with one line naming the step; skip: the update is skipped,
+    counted in ``actor/skipped_updates`` (``critic/...``), and the run goes on."""
 
 
 @dataclass

@@ -9,8 +9,8 @@ embedding's parameter, so it is not a parameter of its own. Legend as in `mcore_
 
 Used to check an engine's parameters against what the stream sends (names, shapes, fusion
 order; tests compare it with vLLM's live model and with a manifest made from SGLang's own
-model code), and by `mcore_rl.reshard.trace.engine_param_sources` to trace an engine
-parameter back to trainer ranks.
+model code; a test helper traces each engine parameter back to the trainer ranks that
+feed it).
 """
 from __future__ import annotations
 

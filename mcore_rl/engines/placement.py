@@ -3,7 +3,7 @@
 Decision: **the engine always runs in processes of its own** (vLLM's engine-core process,
 plus one worker process per engine TP rank), started from the controlling trainer rank
 (global rank 0), which keeps the client handle. Weights reach those processes through one
-shared-memory file (`mcore_rl.reshard.bucket`: the trainer's parameters themselves on a CPU
+shared-memory file (`mcore_rl.wire`: the trainer's parameters themselves on a CPU
 trainer, buckets otherwise), never through a socket or a pickle.
 
 Measured on the 2-core CPU machine (``mcore-rl bench reshard --placement``: SmolLM2-135M,

@@ -4,7 +4,7 @@ vLLM is started with ``worker_extension_cls="mcore_rl.engines.vllm_worker.Reshar
 its methods become ``collective_rpc`` targets on every worker (every engine TP rank). Their
 arguments are plain Python (paths, manifests), which is what ``collective_rpc`` can carry
 to multi-process workers (tensors in its kwargs arrive as lists there); the tensors
-themselves are read from the shared-memory file (`mcore_rl.reshard.bucket`: buckets, or
+themselves are read from the shared-memory file (`mcore_rl.wire`: buckets, or
 with the shared transport the trainer's parameters), which each worker maps once
 (``mcore_rl_attach_buffer``) and keeps mapped from one sync to the next.
 

@@ -1,4 +1,5 @@
-"""A randomly initialised HF Llama directory from the inline architecture of ``ModelConfig``.
+"""A randomly initialised HF Llama directory from an inline architecture (the fields of the
+config's ``model`` section).
 
 Used when ``model.path`` is empty (the built-in quick start): the run then starts from an HF
 directory like any other, so the rollout engine, conversion and export see a normal model.
@@ -6,13 +7,24 @@ directory like any other, so the rollout engine, conversion and export see a nor
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from mcore_rl.config import ModelConfig
+
+class InlineArchitecture(Protocol):
+    """The shape of a Llama given inline (e.g. the config's `ModelConfig`)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
 
 
-def write_random_llama(model: ModelConfig, out_dir: str | Path, vocab_size: int,
+def write_random_llama(model: InlineArchitecture, out_dir: str | Path, vocab_size: int,
                        bos_id: int, eos_id: int, pad_id: int, seed: int) -> Path:
     """Save a random ``LlamaForCausalLM`` (fp32 safetensors + generation config)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM

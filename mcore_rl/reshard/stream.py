@@ -125,14 +125,16 @@ class WeightSync:
 
     @classmethod
     def from_config(cls, chunks: list, arch, cfg, *, engines: list | None = None,
-                    group=None) -> "WeightSync":
-        """From a `ReshardConfig` (``cfg.reshard``)."""
+                    controller: int = 0, group=None) -> "WeightSync":
+        """From a `ReshardConfig` (``cfg.reshard``); ``controller``: the global rank that
+        holds the engines, ``group``: the trainer's ranks."""
         from mcore_rl.models.gpt import DTYPES
 
         return cls.build(chunks, arch, engines=engines, bucket_mb=cfg.bucket_mb,
                          wire_dtype=DTYPES.get(cfg.wire_dtype), shm_dir=cfg.shm_dir,
                          checksum=cfg.checksum, overlap=cfg.overlap,
-                         writer_threads=cfg.writer_threads, transport=cfg.transport, group=group)
+                         writer_threads=cfg.writer_threads, transport=cfg.transport,
+                         controller=controller, group=group)
 
     def close(self) -> None:
         """Free the transport's memory: every process lets go of it. Collective."""

@@ -9,7 +9,7 @@ It is also the first loop with the run-level services the RL loop uses the same 
 checkpoints every ``checkpoint.save_every`` steps (with ``save_every: 0`` the smoke run saves
 only when asked to stop, so re-running the quick start starts afresh), resuming from the
 latest complete checkpoint (``checkpoint.resume``), a stop check at every step boundary
-(`mcore_rl.launch.stop_signal`), and one JSON line per step in ``<logging.dir>/metrics.jsonl``.
+(a `StopSignal` of the launcher), and one JSON line per step in ``<logging.dir>/metrics.jsonl``.
 Batches are drawn from a generator seeded by (seed, step), so a resumed run sees the same
 data as an uninterrupted one.
 """
@@ -54,7 +54,7 @@ def run_smoke(cfg: RLConfig, ctx: ParallelContext, steps: int = 10, log=print,
     """Train on synthetic sequences up to step ``steps``; returns the global token-mean loss
     of every step 1..steps (the same on every rank), including steps run before a resume.
 
-    ``stop``: a `mcore_rl.launch.stop_signal.StopSignal`; when all ranks agree to stop, the
+    ``stop``: an object with ``should_stop(ctx)`` (the launcher's `StopSignal`); when all ranks agree to stop, the
     state is saved and `StopRequested` is raised.
     """
     from dataclasses import replace
@@ -68,7 +68,7 @@ def run_smoke(cfg: RLConfig, ctx: ParallelContext, steps: int = 10, log=print,
                           vocab_size=arch.vocab_size, optim=optim, total_steps=steps)
     ckpts = RunCheckpoints.for_config(cfg)
     losses: list[float] = []
-    resume = ckpts.resume_path(cfg.checkpoint.resume)
+    resume = ckpts.resolve_resume(cfg.checkpoint.resume, ["model"], cfg.logging.dir).path
     if resume is not None:
         losses = list(ckpts.load(resume, {"model": engine})["losses"])
         if ctx.rank == 0:
@@ -94,7 +94,7 @@ def run_smoke(cfg: RLConfig, ctx: ParallelContext, steps: int = 10, log=print,
         if every and (step % every == 0 or step == steps):
             saved = ckpts.save(step, {"model": engine}, {"losses": losses})
         if stop is not None and step < steps and stop.should_stop(ctx):
-            from mcore_rl.launch.stop_signal import StopRequested
+            from mcore_rl.errors import StopRequested
 
             saved = saved or ckpts.save(step, {"model": engine}, {"losses": losses})
             raise StopRequested(step, saved)

@@ -120,7 +120,7 @@ def _step_and_sync(rank, world_size, variant, hf_dir, pid_file, layout, work):
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
     from mcore_rl.reshard.stream import WeightSync
-    from mcore_rl.reshard.verify import probe_prompts, verify_engine_logprobs
+    from mcore_rl.rl.engine_verify import probe_prompts, verify_engine_logprobs
     from mcore_rl.train.build import build_engine
 
     tp, pp = layout
@@ -251,7 +251,7 @@ def _verify_before_and_after_perturbing(rank, world_size, variant, hf_dir, pid_f
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
     from mcore_rl.reshard.stream import WeightSync
-    from mcore_rl.reshard.verify import LogprobMismatchError, probe_prompts, verify_engine_logprobs
+    from mcore_rl.rl.engine_verify import LogprobMismatchError, probe_prompts, verify_engine_logprobs
     from mcore_rl.train.build import build_engine
 
     engines = _engines(rank, variant, hf_dir, pid_file)

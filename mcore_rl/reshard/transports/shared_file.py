@@ -31,6 +31,7 @@ from mcore_rl.reshard.sources import local_holdings, pointers
 from mcore_rl.reshard.transports.base import Transport, TransportSetup
 from mcore_rl.reshard.transports.shm_file import agree_on_path, free_bytes
 from mcore_rl.reshard.writer import Copy
+from mcore_rl.sizes import format_bytes
 from mcore_rl.wire import ALIGN, align, create_bucket_file, map_bucket_file, remove_bucket_file
 
 REGION_BYTES = 16 * 2**20
@@ -67,8 +68,8 @@ class SharedFileTransport(Transport):
         if first is None:  # the controller's tmpfs holds the file
             total, free = sum(n for _, n, _ in answers), answers[ranks.index(setup.controller)][2]
             if free is not None and free < total:
-                first = (f"{setup.shm_dir} has {free / 2**30:.2f} GiB free, the parameters take "
-                         f"{total / 2**30:.2f} GiB")
+                first = (f"{setup.shm_dir} has {format_bytes(free)} free, the parameters take "
+                         f"{format_bytes(total)}")
         return first
 
     @classmethod

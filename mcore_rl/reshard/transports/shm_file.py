@@ -10,6 +10,8 @@ import os
 import uuid
 from pathlib import Path
 
+from mcore_rl.sizes import format_bytes
+
 from mcore_rl.parallel.agreement import broadcast
 
 
@@ -35,6 +37,6 @@ def room_problem(directory: str, nbytes: int, what: str, fix: str) -> str | None
         return f"reshard.shm_dir {directory} is not a directory: point it at a tmpfs such as /dev/shm"
     free = free_bytes(directory)
     if free is not None and free < nbytes:
-        return (f"{what} needs {nbytes / 2**30:.2f} GiB in {directory}, which has "
-                f"{free / 2**30:.2f} GiB free: {fix} (docker: --shm-size)")
+        return (f"{what} needs {format_bytes(nbytes)} in {directory}, which has "
+                f"{format_bytes(free)} free: {fix} (docker: --shm-size)")
     return None

@@ -1,0 +1,14 @@
+"""Byte counts in messages, in a unit that shows them (never "0.00 GiB")."""
+from __future__ import annotations
+
+
+def format_bytes(nbytes: int | None) -> str:
+    """``1536`` -> ``"1.50 KiB"``; None -> ``"an unknown amount"``."""
+    if nbytes is None:
+        return "an unknown amount"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
