@@ -1,8 +1,10 @@
-"""The RL loop: generate -> score -> log-probs -> values -> advantages -> update -> sync.
+"""The RL loop: generate -> score -> log-probs -> KL penalty -> values -> advantages ->
+update -> sync.
 
-Synchronous and colocated: the rollout engine and the trainer take turns on the same
-devices; every phase is its own function in ``mcore_rl.rl.phases`` (``(state, batch) ->
-batch``), so a later schedule can overlap them. Simplifications, on purpose: one rollout
+Synchronous: the rollout engine and the trainer take turns. Colocated, the engine sleeps
+while the trainer updates, then wakes its weights for the sync and its KV cache for the
+next generation. Every phase is its own function in ``mcore_rl.rl.phases`` (``(state,
+batch) -> batch``), so a later schedule can overlap them. Simplifications, on purpose: one rollout
 batch per step (no replay buffer); the reference model is frozen at the initial weights;
 KL is estimated per token from policy samples (k1/k3).
 """
@@ -11,9 +13,10 @@ from __future__ import annotations
 import time
 
 from mcore_rl.config import RLConfig
+from mcore_rl.errors import StopRequested
 from mcore_rl.parallel import ParallelContext
 from mcore_rl.rl import phases
-from mcore_rl.rl.setup import RunState, build_run
+from mcore_rl.rl.setup import RunState, build_run, initial_model_removed_on_failure
 from mcore_rl.rl.step_metrics import rollout_metrics, validation_score
 
 
@@ -26,51 +29,68 @@ def rl_step(state: RunState) -> dict[str, float]:
     with timer("logprobs"):
         batch = phases.old_logprobs(state, batch)
         batch = phases.reference_logprobs(state, batch)
+    with timer("kl_penalty"):
+        batch = phases.kl_penalty(state, batch)
     with timer("values"):
         batch = phases.values(state, batch)
+    with timer("advantages"):
         batch = phases.advantages(state, batch)
     with timer("update"):
+        phases.engine_sleep(state)
         metrics = phases.update_actor(state, batch)
         metrics |= phases.update_critic(state, batch)
     with timer("sync"):
         metrics |= phases.sync_weights(state)
-    state.kl.update(metrics.get("actor/kl_loss", 0.0), len(batch))
+    kl = phases.measured_kl(state, batch, metrics)
+    if kl is not None:
+        state.kl.update(kl, len(batch))
     state.last_batch = batch
     return metrics | rollout_metrics(state, batch) | timer.metrics(batch)
 
 
 def train(cfg: RLConfig, ctx: ParallelContext, stop=None) -> RunState:
-    """Run ``train.steps`` RL steps. ``stop`` (`mcore_rl.launch.stop_signal.StopSignal`):
-    when every rank agrees to stop, save a checkpoint and raise `StopRequested`."""
-    state = build_run(cfg, ctx)
-    resume_or_warm_start(state)
-    while state.step < cfg.train.steps:
-        state.step += 1
-        metrics = rl_step(state)
-        if cfg.train.val_every and (state.step % cfg.train.val_every == 0 or state.step == cfg.train.steps):
-            metrics["val/score"] = validation_score(state)
-        state.log.log(state.step, metrics, console=state.step % cfg.logging.log_every == 0)
-        if cfg.logging.samples_every and state.step % cfg.logging.samples_every == 0:
-            state.log.samples(state.step, sample_rows(state.last_batch))
-        saved = None
-        if (cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0) \
-                or state.step == cfg.train.steps:
-            saved = save_checkpoint(state)
-        if stop is not None and state.step < cfg.train.steps and stop.should_stop(ctx):
-            from mcore_rl.launch.stop_signal import StopRequested
-
-            path = saved or save_checkpoint(state)
-            finish(state)
-            raise StopRequested(state.step, path)
-    finish(state)
+    """Run ``train.steps`` RL steps. ``stop`` (anything with ``should_stop(ctx)``, e.g. the
+    launcher's `StopSignal`): when every rank agrees to stop, save a checkpoint and raise
+    `StopRequested`."""
+    with initial_model_removed_on_failure(cfg, ctx):
+        state = build_run(cfg, ctx)
+        resume_or_warm_start(state)
+        while state.step < cfg.train.steps:
+            state.step += 1
+            run_step(state, stop)
+        finish(state)
     return state
+
+
+def run_step(state: RunState, stop) -> None:
+    """One RL step and what follows it: validation, logs, samples, checkpoint, stop check."""
+    cfg = state.cfg
+    metrics = rl_step(state)
+    if state.validates and (state.step % cfg.train.val_every == 0 or state.step == cfg.train.steps):
+        metrics["val/score"] = validation_score(state)
+    state.log.log(state.step, metrics, console=state.step % cfg.logging.log_every == 0)
+    if cfg.logging.samples_every and state.step % cfg.logging.samples_every == 0:
+        state.log.samples(state.step, sample_rows(state.last_batch))
+    saved = None
+    if (cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0) \
+            or state.step == cfg.train.steps:
+        saved = save_checkpoint(state)
+    if stop is not None and state.step < cfg.train.steps and stop.should_stop(state.ctx):
+        path = saved or save_checkpoint(state)
+        finish(state)
+        raise StopRequested(state.step, path)
 
 
 def resume_or_warm_start(state: RunState) -> None:
     """``checkpoint.resume``: continue from the latest complete checkpoint (and re-sync the
     engine from it) or start fresh (warm start, then the initial validation score)."""
     cfg = state.cfg
-    path = state.checkpoints.resume_path(cfg.checkpoint.resume)
+    resume = state.checkpoints.resolve_resume(cfg.checkpoint.resume, list(state.trained_engines()),
+                                              cfg.logging.dir)
+    if state.is_controller:
+        for problem in resume.skipped:
+            print(f"mcore-rl: skipping a broken checkpoint: {problem}", flush=True)
+    path = resume.path
     if path is not None:
         run = state.checkpoints.load(path, state.trained_engines())
         state.step, state.prompts.position = run["step"], run["data_position"]
@@ -85,12 +105,13 @@ def resume_or_warm_start(state: RunState) -> None:
     if cfg.train.warm_start_steps:
         from mcore_rl.rl.warm_start import warm_start
 
+        phases.engine_sleep(state)
         losses = warm_start(state)
         phases.sync_weights(state)
         if state.is_controller:
             print(f"mcore-rl: warm start {len(losses)} steps, loss {losses[0]:.3f} -> "
                   f"{losses[-1]:.3f}", flush=True)
-    if cfg.train.val_every:
+    if state.validates:
         state.log.log(0, {"val/score": validation_score(state)}, console=True)
 
 

@@ -73,6 +73,16 @@ class Batch:
         return self.tensors["attention_mask"].sum(-1)
 
     @property
+    def policy_logprobs(self) -> torch.Tensor:
+        """[B, T] log-probs of the weights that generated the batch: the trainer's
+        (``old_logprobs``, computed before an off-policy update) where present, else the
+        engine's (``rollout_logprobs``; an on-policy update takes the trainer's from its own
+        forward pass)."""
+        if "old_logprobs" in self.tensors:
+            return self.tensors["old_logprobs"]
+        return self.tensors["rollout_logprobs"]
+
+    @property
     def num_tokens(self) -> int:
         """Padded tokens per sequence (T)."""
         return self.tensors["input_ids"].shape[1]

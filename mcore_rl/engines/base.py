@@ -112,7 +112,8 @@ class RolloutEngine(ABC):
     def __init__(self) -> None:
         self.weight_version: int | None = 0
         self._torn: str | None = None
-        self._asleep = False
+        self._asleep: set[str] = set()
+        """What `sleep` released and no wake has restored yet: "weights", "kv_cache"."""
         self._reader = BucketReader()  # the bucket file, for engines that read it in-process
 
     # ----- generation -----------------------------------------------------------------
@@ -123,7 +124,8 @@ class RolloutEngine(ABC):
         if self._torn:
             raise WeightSyncError(self._torn)
         if self._asleep:
-            raise RuntimeError(f"the {self.name} engine is asleep: call wake() before generate()")
+            raise RuntimeError(f"the {self.name} engine is asleep ({', '.join(sorted(self._asleep))}): "
+                               "call wake() (or wake_weights() then wake_kv_cache()) before generate()")
         prompts = [list(map(int, p)) for p in prompt_token_ids]
         if seeds is None:
             seeds = [sampling.request_seed(i) for i in range(len(prompts))]
@@ -189,14 +191,54 @@ class RolloutEngine(ABC):
         """False after a failed sync left a mix of weight versions."""
         return self._torn is None
 
-    # ----- memory -----------------------------------------------------------------------
+    # ----- memory: the colocated handoff ------------------------------------------------
+    # sleep -> (the trainer updates) -> wake_weights -> weight sync -> wake_kv_cache -> generate
     def sleep(self) -> None:
-        """Free the KV cache (and offload weights) where supported; generate() is refused
-        until ``wake``."""
-        self._asleep = True
+        """Give the devices to the trainer: free the KV cache and offload the weights where
+        supported (`supports_sleep`); elsewhere only fence. Generation is refused until both
+        are awake again, a weight sync until the weights are."""
+        if self.supports_sleep:
+            self._release_memory()
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake_weights(self) -> None:
+        """Bring the weights back (before a weight sync writes into them)."""
+        if "weights" in self._asleep and self.supports_sleep:
+            self._restore_memory("weights")
+        self._asleep.discard("weights")
+
+    def wake_kv_cache(self) -> None:
+        """Re-allocate the KV cache (after the sync, before generating)."""
+        if "kv_cache" in self._asleep and self.supports_sleep:
+            self._restore_memory("kv_cache")
+        self._asleep.discard("kv_cache")
 
     def wake(self) -> None:
-        self._asleep = False
+        """Both: weights, then KV cache."""
+        self.wake_weights()
+        self.wake_kv_cache()
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._asleep)
+
+    def _check_weights_awake(self) -> None:
+        """Engines call it when a weight-update session begins."""
+        if "weights" in self._asleep:
+            raise RuntimeError(f"the {self.name} engine's weights are asleep: call wake_weights() "
+                               "before syncing weights into it")
+
+    def _release_memory(self) -> None:
+        """Free the KV cache and offload the weights (engines with `supports_sleep`)."""
+        raise NotImplementedError
+
+    def _restore_memory(self, what: str) -> None:
+        """Restore ``what`` ("weights" or "kv_cache") after `_release_memory`."""
+        raise NotImplementedError
+
+    def check_alive(self, what: str = "its last call") -> None:
+        """Raise `EngineDiedError` (saying it died during ``what``) if the engine's processes
+        are gone (engines that run in processes of their own)."""
 
     def close(self) -> None:
         """Stop the engine's processes."""

@@ -70,6 +70,7 @@ class HFEngine(RolloutEngine):
         return rollouts
 
     def begin_update(self, path: str, nbytes: int, version: int) -> None:
+        self._check_weights_awake()
         self._buffer = self._reader.open(path, nbytes)
 
     @torch.no_grad()

@@ -67,6 +67,7 @@ class SGLangEngine(RolloutEngine):
         return rollouts
 
     def begin_update(self, path: str, nbytes: int, version: int) -> None:
+        self._check_weights_awake()
         self._buffer = self._reader.open(path, nbytes)
         self.engine.begin_weight_update()
 
@@ -90,13 +91,11 @@ class SGLangEngine(RolloutEngine):
         self.engine.update_weights_from_disk(str(hf_dir))
         self.weight_version, self._torn = version, None
 
-    def sleep(self) -> None:
+    def _release_memory(self) -> None:
         self.engine.release_memory_occupation()
-        super().sleep()
 
-    def wake(self) -> None:
-        self.engine.resume_memory_occupation()
-        super().wake()
+    def _restore_memory(self, what: str) -> None:
+        self.engine.resume_memory_occupation(tags=[what])  # SGLang's tags: "weights", "kv_cache"
 
     def close(self) -> None:
         self.engine.shutdown()

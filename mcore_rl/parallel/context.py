@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mcore_rl.parallel import agreement
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -52,6 +54,10 @@ class ParallelContext:
     dp_group: dist.ProcessGroup | None = field(repr=False)
     mp_group: dist.ProcessGroup | None = field(repr=False)
     embedding_group: dist.ProcessGroup | None = field(repr=False, default=None)
+    world_group: dist.ProcessGroup | None = field(repr=False, default=None)
+    """Every rank of this job (the trainer's world); None: torch.distributed's default group.
+    Job-wide collectives (broadcasting a rollout, barriers) go over it, so the trainer can
+    be one group among several in a larger world."""
 
     @property
     def tp(self) -> int:
@@ -76,6 +82,26 @@ class ParallelContext:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def controller(self) -> int:
+        """Global rank that drives the rollout engine and writes the logs: the job's first rank."""
+        if self.world_group is None:
+            return 0
+        return dist.get_process_group_ranks(self.world_group)[0]
+
+    @property
+    def is_controller(self) -> bool:
+        return self.rank == self.controller
+
+    def barrier(self) -> None:
+        """Wait for every rank of the job (no-op in a one-rank job)."""
+        agreement.barrier(self.world_group)
+
+    def broadcast_object(self, obj):
+        """The controller's ``obj`` on every rank of the job (pickled; for batches and small
+        Python values, not for weights)."""
+        return agreement.broadcast(obj, self.controller, self.world_group)
 
     def group_ranks(self, group: dist.ProcessGroup | None) -> list[int]:
         """Global ranks of a process group (``[self.rank]`` for a size-1 layout)."""

