@@ -1,7 +1,9 @@
 """`mcore-rl launch slurm CONFIG [overrides] --nodes N (--gpus-per-node G | --procs-per-node P)`.
 
 Checks the request before anything reaches the cluster: the config must fit the world size
-(nodes x ranks per node), the cluster must have the partition (or a default one); then it
+(nodes x ranks per node), the data and checkpoint paths it reads must be usable from here
+(``--skip-path-checks`` when they exist only on the cluster), the cluster must have the
+partition (or a default one); then it
 renders the job script (``--dry-run`` prints it and stops), submits it and prints the job id
 and the log path. Command-line values override the config's ``launch`` section.
 """
@@ -32,6 +34,7 @@ def build_request(args):
     world = nodes * per_node
     try:
         validate_config(cfg, world_size=world)
+        check_local_inputs(cfg, read_paths=not args.skip_path_checks)
     except UsageError as err:
         raise type(err)(f"{nodes} node(s) x {per_node} rank(s) = {world} ranks: {err}") from None
     p = cfg.parallel
@@ -47,6 +50,20 @@ def build_request(args):
         account=args.account if args.account is not None else launch.account,
         job_name=launch.job_name, signal_lead_s=launch.signal_lead_s)
     return req, layout
+
+
+def check_local_inputs(cfg, read_paths: bool) -> None:
+    """What the job will read, checked here first: registered names, and (``read_paths``)
+    the data files and the checkpoint to resume from (the model is read by the layout check)."""
+    from mcore_rl.rl.job_check import check_registered_names
+    from mcore_rl.rl.setup import check_job
+
+    if cfg.train.job != "rl":
+        return
+    if read_paths:
+        check_job(cfg)
+    else:
+        check_registered_names(cfg)
 
 
 def run(args) -> int:
@@ -87,4 +104,6 @@ def register(subparsers) -> None:
     p.add_argument("--time", default=None, help="time limit, e.g. 04:00:00 (default: launch.time)")
     p.add_argument("--account", default=None, help="account (default: launch.account)")
     p.add_argument("--dry-run", action="store_true", help="print the job script, submit nothing")
+    p.add_argument("--skip-path-checks", action="store_true",
+                   help="do not read the data and resume paths here (they exist only on the cluster)")
     p.set_defaults(func=run)

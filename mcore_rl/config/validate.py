@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mcore_rl.config.sections import RLConfig
-from mcore_rl.errors import ConfigError
+from mcore_rl.config.ranges import check_ranges
+from mcore_rl.errors import ConfigError, UsageError
 
 
 @dataclass(frozen=True)
@@ -19,38 +20,49 @@ class ModelShape:
     num_layers: int
     num_attention_heads: int
     num_kv_heads: int
+    max_position_embeddings: int
 
 
 def model_shape(cfg: RLConfig) -> ModelShape:
     """From the model's config.json when ``model.path`` is set, else the inline fields."""
     m = cfg.model
     if not m.path:
-        return ModelShape(m.num_layers, m.num_attention_heads, m.num_kv_heads)
+        return ModelShape(m.num_layers, m.num_attention_heads, m.num_kv_heads,
+                          m.max_position_embeddings)
     from mcore_rl.models.builtin import resolve_model_path
+    from mcore_rl.models.hf_config import spec_from_hf_config
 
-    config_file = resolve_model_path(m.path) / "config.json"
+    model_dir = resolve_model_path(m.path)
+    config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"model.path: '{m.path}' has no config.json; point it at a HuggingFace "
                           "checkpoint directory or a `mcore-rl convert hf-to-mcore` output")
-    hf = json.loads(config_file.read_text())
     try:
-        heads = int(hf["num_attention_heads"])
-        return ModelShape(int(hf["num_hidden_layers"]), heads,
-                          int(hf.get("num_key_value_heads") or heads))
-    except (KeyError, TypeError, ValueError) as err:
-        raise ConfigError(f"model.path: {config_file} lacks {err}; is it a decoder LM config?") from None
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"model.path: {config_file} is not valid JSON ({err.msg} at line "
+                          f"{err.lineno}); fix or replace the file") from None
+    try:
+        arch = spec_from_hf_config(hf).arch
+    except UsageError as err:
+        raise ConfigError(f"model.path: {m.path}: {err}") from None
+    return ModelShape(arch.num_layers, arch.num_attention_heads, arch.num_kv_heads,
+                      arch.max_position_embeddings)
 
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def validate_layout(cfg: RLConfig, world_size: int | None = None) -> int:
+def validate_layout(cfg: RLConfig, world_size: int | None = None,
+                    shape: ModelShape | None = None) -> int:
     """Check TP/PP/VPP/DP against the model and the world; returns the data-parallel size."""
-    p, shape = cfg.parallel, model_shape(cfg)
+    p, shape = cfg.parallel, shape or model_shape(cfg)
     for name in ("tp", "pp", "cpu_threads_per_rank"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    if world_size is not None and world_size < 1:
+        raise ConfigError(f"the world size must be >= 1, got {world_size}; launch at least one rank")
     if shape.num_attention_heads % p.tp:
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide the model's {shape.num_attention_heads} attention "
@@ -91,24 +103,36 @@ def validate_layout(cfg: RLConfig, world_size: int | None = None) -> int:
 
 
 def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
-    """All cross-field checks; raises `ConfigError` on the first problem."""
-    validate_layout(cfg, world_size)
+    """All checks that need no rank: ranges, layout, cross-field; raises `ConfigError` on
+    the first problem."""
+    check_ranges(cfg)
+    shape = model_shape(cfg)
+    validate_layout(cfg, world_size, shape)
     r = cfg.rollout
-    if r.n_samples_per_prompt < 1:
-        raise ConfigError("rollout.n_samples_per_prompt must be >= 1")
-    if not 0.0 < r.top_p <= 1.0:
-        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
-    if r.temperature < 0:
-        raise ConfigError(f"rollout.temperature must be >= 0, got {r.temperature}")
-    if cfg.reshard.verify_every < 1:
-        raise ConfigError(f"reshard.verify_every must be >= 1, got {cfg.reshard.verify_every}")
-    if not 0 <= r.min_new_tokens <= r.max_new_tokens:
-        raise ConfigError(f"rollout.min_new_tokens must be between 0 and rollout.max_new_tokens="
-                          f"{r.max_new_tokens}, got {r.min_new_tokens}")
-    if cfg.algorithm.dual_clip is not None and cfg.algorithm.dual_clip <= 1.0:
-        raise ConfigError(f"algorithm.dual_clip must be > 1 (or null), got {cfg.algorithm.dual_clip}")
-    if cfg.optimizer.lr < 0:
-        raise ConfigError(f"optimizer.lr must be >= 0, got {cfg.optimizer.lr}")
-    if cfg.train.steps < 0:
-        raise ConfigError(f"train.steps must be >= 0, got {cfg.train.steps}")
+    if r.min_new_tokens > r.max_new_tokens:
+        raise ConfigError(f"rollout.min_new_tokens={r.min_new_tokens} exceeds rollout.max_new_tokens="
+                          f"{r.max_new_tokens}; lower it or raise rollout.max_new_tokens")
+    if r.max_prompt_tokens + r.max_new_tokens > shape.max_position_embeddings:
+        raise ConfigError(
+            f"rollout.max_prompt_tokens + rollout.max_new_tokens = {r.max_prompt_tokens} + "
+            f"{r.max_new_tokens} exceeds the model's {shape.max_position_embeddings} positions "
+            "(max_position_embeddings); lower one of them")
+    o = cfg.optimizer
+    if o.min_lr > max(o.lr, o.critic_lr):
+        raise ConfigError(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}; the "
+                          "decay ends at min_lr: lower it")
+    validate_paths(cfg)
     return cfg
+
+
+def validate_paths(cfg: RLConfig) -> None:
+    """Output paths that must be directories (or not exist yet)."""
+    for name, value in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if not value:
+            continue
+        path = Path(value)
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            where = "" if existing == path else f" ({existing} is a file)"
+            raise ConfigError(f"{name}={value} is not a directory{where}; choose a directory "
+                              "for the run's outputs")

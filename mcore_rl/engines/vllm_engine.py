@@ -22,6 +22,7 @@ import torch
 
 from mcore_rl.engines import vllm_shim
 from mcore_rl.engines.base import RolloutEngine, Rollouts, RolloutSample, SamplingConfig
+from mcore_rl.engines.liveness import EngineCalls, EngineOutput, EngineProcesses, watch_owner
 from mcore_rl.engines.placement import plan_cpu_placement
 from mcore_rl.wire import WeightSyncError
 
@@ -73,7 +74,8 @@ class VLLMEngine(RolloutEngine):
                  cpu_bind: str | None = None, kv_cache_gib: int = 1, in_process: bool = False,
                  load_format: str = "auto", gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, block_size: int | None = None,
-                 weight_loading: str = "auto"):
+                 weight_loading: str = "auto", timeout_s: float = 600.0,
+                 log_file: str | Path | None = None):
         super().__init__()
         if weight_loading not in WEIGHT_LOADING:
             raise ValueError(f"weight_loading={weight_loading!r}: choose one of "
@@ -94,8 +96,11 @@ class VLLMEngine(RolloutEngine):
         self.load_mode: str | None = None  # set by each weight-update session
         self._pending_begin: list | None = None  # a session's start, sent with its first bucket
         self._ended = False  # the last bucket's call also ended the session
+        self.output = EngineOutput(log_file)
+        """What the engine's processes print: ``log_file``, or this process's stderr."""
+        watch_owner()  # the engine's processes die with this one, however it dies
         before = _child_pids()
-        with _engine_environment(env):
+        with _engine_environment(env), self.output.captured():
             self.llm = vllm.LLM(
                 model=str(model_dir), tensor_parallel_size=tp,
                 distributed_executor_backend="mp" if tp > 1 else None, dtype=DTYPES[dtype],
@@ -105,6 +110,8 @@ class VLLMEngine(RolloutEngine):
                 gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
                 enable_sleep_mode=self.supports_sleep, block_size=block_size)
         self._own_pids = _child_pids() - before
+        self._calls = EngineCalls(EngineProcesses(self.name, self._own_pids), self.output, timeout_s)
+        """Every call into the engine: on a thread of its own, never waiting on a dead engine."""
 
     # ----- generation -----------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
@@ -114,8 +121,8 @@ class VLLMEngine(RolloutEngine):
             top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
             stop_token_ids=list(sampling.stop_token_ids), seed=seed, logprobs=0,
             detokenize=False) for seed in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=False)
+        outputs = self._calls.run("generate", self.llm.generate,
+                                  [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         rollouts = Rollouts()
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
             for j, completion in enumerate(out.outputs):
@@ -129,13 +136,15 @@ class VLLMEngine(RolloutEngine):
     # ----- weights ----------------------------------------------------------------------
     def _call_workers(self, method: str, *args) -> list:
         """Call a `ReshardWorkerExtension` method on every worker; raise the first error."""
-        replies = self.llm.collective_rpc(method, args=args)
+        replies = self._calls.run(f"a weight update ({method})", self.llm.collective_rpc, method,
+                                  args=args)
         errors = [f"engine rank {r}: {v}" for r, (status, v) in enumerate(replies) if status != "ok"]
         if errors:
             raise WeightSyncError(errors[0])
         return [value for _, value in replies]
 
     def begin_update(self, path: str, nbytes: int, version: int) -> None:
+        self._check_weights_awake()
         # Sent along with the first bucket, and the end of the session with the last one:
         # two round trips to the engine fewer per sync.
         self._pending_begin = [path, nbytes, self.weight_loading]
@@ -164,7 +173,10 @@ class VLLMEngine(RolloutEngine):
             self._call_workers("mcore_rl_finish_update", complete)
 
     def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        self._calls.run("reset_prefix_cache", self.llm.reset_prefix_cache)
+
+    def check_alive(self, what: str = "its last call") -> None:
+        self._calls.raise_if_dead(what)
 
     def attach_update_buffer(self, path: str, nbytes: int) -> None:
         self._call_workers("mcore_rl_attach_buffer", path, nbytes)
@@ -182,15 +194,12 @@ class VLLMEngine(RolloutEngine):
         return self._call_workers("mcore_rl_param_shapes")
 
     # ----- memory -----------------------------------------------------------------------
-    def sleep(self) -> None:
-        if self.supports_sleep:
-            self.llm.sleep(level=1)
-        super().sleep()
+    def _release_memory(self) -> None:
+        # weights offloaded to host memory, KV cache discarded
+        self._calls.run("sleep", self.llm.sleep, level=1)
 
-    def wake(self) -> None:
-        if self.supports_sleep:
-            self.llm.wake_up()
-        super().wake()
+    def _restore_memory(self, what: str) -> None:
+        self._calls.run(f"wake_up({what})", self.llm.wake_up, tags=[what])  # "weights", "kv_cache"
 
     def process_ids(self) -> list[int]:
         """PIDs of the engine's processes (engine core, workers) started from this one."""
@@ -207,7 +216,9 @@ class VLLMEngine(RolloutEngine):
         if engine is None:
             return
         pids = self.process_ids()
-        engine.llm_engine.engine_core.shutdown()
+        self._calls.close()
+        if self._calls.processes.problem() is None:
+            engine.llm_engine.engine_core.shutdown()
         self.llm = None
         procs = []
         for pid in pids:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 from mcore_rl.data.batch import Batch
+from mcore_rl.errors import NonFiniteError
 from mcore_rl.rl.phases import encode_prompts
 
 
@@ -43,6 +44,11 @@ def warm_start(state) -> list[float]:
     rng = random.Random(cfg.seed)
     for _ in range(cfg.warm_start_steps):
         batch = sft_batch(state, state.prompts.take(cfg.warm_start_batch), rng)
-        losses.append(state.actor.train_batch(batch, nll_loss, lr=cfg.warm_start_lr).loss)
+        result = state.actor.train_batch(batch, nll_loss, lr=cfg.warm_start_lr)
+        if not result.applied and cfg.on_nonfinite == "stop":
+            raise NonFiniteError(f"warm start step {len(losses) + 1}: the loss or gradient is not "
+                                 f"finite (loss {result.loss:.4g}); the update was not applied; "
+                                 "lower train.warm_start_lr, or set train.on_nonfinite=skip")
+        losses.append(result.loss)
     state.prompts.position = stream_position  # RL sees the prompts from the start
     return losses

@@ -44,6 +44,9 @@ class StepResult:
     """Each metric's global sum divided by the global unit count."""
     units: float
     """Global unit count (tokens or sequences) the loss covered."""
+    applied: bool = True
+    """False: a gradient (or the loss) was not finite on some rank, and the optimizer step
+    was skipped on every rank (the weights are unchanged)."""
 
 
 def shift_right(per_position: torch.Tensor) -> torch.Tensor:
@@ -215,21 +218,58 @@ class TrainEngine:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = self._run_schedule(batch, plan, step, forward_only=False, collect=False)
-        if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-        _, grad_norm, _ = self.optimizer.step()
-        if self.scheduler is not None:
-            # After an override, put back the schedule's rate (increment 0) for the next step.
-            self.scheduler.step(increment=0 if lr is not None else 1)
-        self.steps_done += 1
+        applied = self._grads_finite()
+        grad_norm = float("nan")
+        if applied:  # a non-finite gradient never reaches the weights
+            if lr is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+            _, grad_norm, _ = self.optimizer.step()
+            grad_norm = float(grad_norm or 0.0)
+            if self.scheduler is not None:
+                # After an override, put back the schedule's rate (increment 0) for the next step.
+                self.scheduler.step(increment=0 if lr is not None else 1)
+            self.steps_done += 1
+        else:
+            self.optimizer.zero_grad()
         sums = self._reduce_reports(reports)
         units = sums.pop("units")
         loss = sums.pop("loss")
         denom = max(units, 1.0)
-        return StepResult(loss=loss / denom, grad_norm=float(grad_norm or 0.0),
+        return StepResult(loss=loss / denom, grad_norm=grad_norm,
                           lr=self.optimizer.param_groups[0]["lr"],
-                          metrics={k: v / denom for k, v in sums.items()}, units=units)
+                          metrics={k: v / denom for k, v in sums.items()}, units=units,
+                          applied=applied)
+
+    def _grads_finite(self) -> bool:
+        """Whether every gradient of every rank is finite (collective over the job): one
+        reduction over each contiguous gradient buffer of Megatron's DDP."""
+        grads = [buf.grad_data for chunk in self.model
+                 for buf in (getattr(chunk, "buffers", None) or []) +
+                 (getattr(chunk, "expert_parallel_buffers", None) or [])]
+        if not grads:  # not wrapped in DDP
+            grads = [g for chunk in self.model for p in chunk.parameters()
+                     for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+        bad = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for g in grads:
+            if not torch.isfinite(g.sum()):
+                bad.fill_(1.0)
+                break
+        if self.ctx.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.ctx.world_group)
+        return not bool(bad.item())
+
+    def weights_finite(self) -> bool:
+        """Whether every weight of every rank is finite (collective over the job)."""
+        bad = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for chunk in self.model:
+            for p in chunk.parameters():
+                if not torch.isfinite(p.detach().sum()):
+                    bad.fill_(1.0)
+                    break
+        if self.ctx.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.ctx.world_group)
+        return not bool(bad.item())
 
     # ----- moving results between ranks -----------------------------------------------
     def _from_last_stage(self, results: list) -> list:

@@ -53,7 +53,9 @@ def test_world_size_must_equal_tp_pp_dp():
 
 def test_heads_are_read_from_the_checkpoint_config_when_a_path_is_given(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
-        {"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}))
+        {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+         "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "num_hidden_layers": 30, "max_position_embeddings": 2048}))
     check([f"model.path={tmp_path}", "parallel.tp=3"])
     with pytest.raises(ConfigError, match=r"parallel.tp=2 does not divide the model's 9 attention"):
         check([f"model.path={tmp_path}", "parallel.tp=2"])
@@ -69,9 +71,11 @@ def test_verify_every_below_one_is_rejected():
         check(["reshard.verify_every=0"])
 
 
-@pytest.mark.parametrize("overrides", [["rollout.min_new_tokens=-1"],
-                                       ["rollout.max_new_tokens=8", "rollout.min_new_tokens=9"]])
-def test_min_new_tokens_outside_zero_to_max_is_rejected(overrides):
-    with pytest.raises(ConfigError, match=r"rollout.min_new_tokens must be between 0 and "
-                                          r"rollout.max_new_tokens="):
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.min_new_tokens=-1"], r"rollout.min_new_tokens must be >= 0, got -1"),
+    (["rollout.max_new_tokens=8", "rollout.min_new_tokens=9"],
+     r"rollout.min_new_tokens=9 exceeds rollout.max_new_tokens=8"),
+])
+def test_min_new_tokens_outside_zero_to_max_is_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
         check(overrides)

@@ -1,0 +1,205 @@
+"""Bad input, table-driven: every case exits 2 with one line (no traceback) that names the
+field and the fix, before any rank starts, and writes nothing.
+
+The cases run the CLI in-process (``mcore_rl.cli.main.main``) with rank start-up replaced by
+a trap, so a case that got as far as starting ranks fails. `RANGE_CASES` holds one value
+out of range for every bounded config field (`mcore_rl.config.ranges.RANGES`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_rl.cli.main import main
+from mcore_rl.config.ranges import RANGES
+
+REPO = Path(__file__).resolve().parents[2]
+QUICK = str(REPO / "configs" / "quickstart.yaml")
+
+
+def _out_of_range(name: str):
+    """The nearest value outside the field's range."""
+    rng = RANGES[name]
+    if rng.low is not None:
+        value = rng.low if rng.low_open else rng.low - 1
+    else:
+        value = rng.high if rng.high_open else rng.high + 1
+    return int(value) if float(value).is_integer() else value
+
+
+RANGE_CASES = [([f"{name}={_out_of_range(name)}"], f"{name} must be", f"set {name} to a value")
+               for name in sorted(RANGES)]
+
+
+@pytest.fixture()
+def files(tmp_path):
+    """Broken inputs of every kind, made once per case."""
+    d = tmp_path / "inputs"
+    d.mkdir()
+    (d / "a_file").write_text("not a directory\n")
+    gpt2 = d / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                  "n_layer": 2, "n_head": 4}))
+    bad_json = d / "bad_json_model"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text("{not json")
+    (d / "no_field.jsonl").write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    (d / "not_json.jsonl").write_text("{oops\n")
+    (d / "empty.jsonl").write_text("\n")
+    broken_state = d / "ckpt" / "step_000002"
+    broken_state.mkdir(parents=True)
+    (broken_state / "run_state.json").write_text("{truncated")
+    no_state = d / "ckpt2" / "step_000004"
+    no_state.mkdir(parents=True)
+    (d / "ckpt2" / "latest").write_text("step_000004")
+    truncated = d / "ckpt3" / "step_000003"
+    _fake_model_checkpoint(truncated / "actor", truncate=True)
+    (truncated / "run_state.json").write_text(json.dumps({"step": 3}))
+    earlier = d / "earlier_run"
+    earlier.mkdir()
+    (earlier / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    return d
+
+
+def _fake_model_checkpoint(path: Path, truncate: bool) -> None:
+    """A distributed checkpoint's files (index, data, headers), its data file cut short."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, checkpoint_id=str(path), no_dist=True)
+    (path / "metadata.json").write_text("{}")
+    (path / "common.pt").write_bytes(b"")
+    if truncate:
+        data = next(path.glob("*.distcp"))
+        data.write_bytes(data.read_bytes()[:100])
+
+
+# (command line after `mcore-rl`, text the one line must name, text of the fix it must give)
+CASES = [
+    # numbers that are not finite (every float field is checked)
+    (["optimizer.lr=.inf"], "optimizer.lr must be a finite number", "set optimizer.lr to a finite"),
+    (["optimizer.lr=.nan"], "optimizer.lr must be a finite number", "set optimizer.lr"),
+    (["algorithm.gamma=-.inf"], "algorithm.gamma must be a finite number", "set algorithm.gamma"),
+    (["reward.truncation_penalty=.nan"], "reward.truncation_penalty must be a finite", "finite value"),
+    (["train.warm_start_lr=.inf"], "train.warm_start_lr must be a finite", "set train.warm_start_lr"),
+    # cross-field
+    (["rollout.max_new_tokens=30"], "rollout.max_prompt_tokens + rollout.max_new_tokens = 8 + 30 "
+                                    "exceeds the model's 32 positions", "lower one of them"),
+    (["rollout.min_new_tokens=5"], "rollout.min_new_tokens=5 exceeds rollout.max_new_tokens=4",
+     "lower it"),
+    (["optimizer.min_lr=0.1"], "optimizer.min_lr=0.1 is above optimizer.lr", "lower it"),
+    (["parallel.tp=3"], "parallel.tp=3 does not divide the model's 4 attention heads", "choose one of"),
+    (["parallel.pp=3"], "parallel.pp=3 does not divide the model's 2 layers", "choose one of 1, 2"),
+    (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2", "set parallel.vpp=null"),
+    (["parallel.dp=3", "--nproc", "2"], "tp*pp*dp = 1*1*3 = 3 ranks, but the world has 2",
+     "set parallel.dp=2"),
+    (["parallel.tp=2", "--nproc", "3"], "world size 3 is not a multiple of tp*pp = 2",
+     "launch a multiple of 2"),
+    (["--nproc", "-1"], "--nproc must be >= 1, got -1", "give the number of local ranks"),
+    (["--nproc", "0"], "--nproc must be >= 1, got 0", "give the number of local ranks"),
+    # paths
+    (["logging.dir={d}/a_file"], "logging.dir={d}/a_file is not a directory", "choose a directory"),
+    (["logging.dir={d}/a_file/run"], "({d}/a_file is a file)", "choose a directory"),
+    (["checkpoint.dir={d}/a_file"], "checkpoint.dir={d}/a_file is not a directory", "choose a directory"),
+    (["model.path={d}/gpt2"], "unsupported model: architecture 'GPT2LMHeadModel'", "supported:"),
+    (["model.path={d}/nothing_here"], "model.path: '{d}/nothing_here' has no config.json",
+     "point it at a HuggingFace checkpoint"),
+    (["model.path={d}/bad_json_model"], "config.json is not valid JSON", "fix or replace the file"),
+    (["model.path=builtin:gpt5"], "unknown built-in model 'gpt5'", "built-in models:"),
+    # data
+    (["data.source=jsonl"], "data.source=jsonl needs data.path", "data.path"),
+    (["data.source=jsonl", "data.path={d}/missing.jsonl"], "data file '{d}/missing.jsonl' does not exist",
+     "data file"),
+    (["data.source=jsonl", "data.path={d}/no_field.jsonl"], "row 1 has no field 'prompt' (data.prompt_key)",
+     "fields there: answer, question"),
+    (["data.source=jsonl", "data.path={d}/not_json.jsonl"], "not_json.jsonl:1 is not valid JSON", "JSON"),
+    (["data.source=jsonl", "data.path={d}/empty.jsonl"], "holds no records", "data file"),
+    (["data.source=reasoning_gym"], "data.source=reasoning_gym needs data.task", "e.g. basic_arithmetic"),
+    (["data.source=reasoning_gym", "data.task=no_such_task"], "reasoning-gym cannot create task "
+                                                            "'no_such_task' (data.task)", "data.task"),
+    # registered names
+    (["rollout.engine=vlm"], "rollout.engine: unknown rollout engine 'vlm'", "did you mean 'vllm'"),
+    (["data.source=jsnl"], "data.source: unknown prompt source 'jsnl'", "did you mean 'jsonl'"),
+    (["reward.name=exactt"], "reward.name: unknown reward 'exactt'", "did you mean 'exact'"),
+    (["reward.name=reward_model"], "reward.name: reward 'reward_model' is not available",
+     "use a rule-based reward"),
+    (["reward.name=no_such_mod:fn"], "reward.name: cannot import module 'no_such_mod'", "no_such_mod"),
+    (["reward.name=mcore_rl.rewards:nope"], "module 'mcore_rl.rewards' has no attribute 'nope'", "nope"),
+    (["algorithm.advantage_estimator=grop"], "algorithm.advantage_estimator: unknown advantage "
+                                             "estimator 'grop'", "did you mean 'grpo'"),
+    (["algorithm.policy_loss=ppo"], "algorithm.policy_loss: unknown policy loss 'ppo'", "registered:"),
+    # the config file and its keys
+    (["parallel.tpp=2"], "unknown key 'parallel.tpp'", "did you mean 'tp'"),
+    (["optimiser.lr=1"], "unknown key 'optimiser'", "did you mean 'optimizer'"),
+    (["parallel.tp=two"], "parallel.tp: expected int, got 'two'", "expected int"),
+    (["rollout.placement=colo"], "rollout.placement: must be one of 'colocated', 'separate'", "must be one of"),
+    (["train.on_nonfinite=ignore"], "train.on_nonfinite: must be one of 'stop', 'skip'", "must be one of"),
+    (["parallel=3"], "parallel: expected a mapping", "mapping"),
+    # resuming
+    (["checkpoint.resume=/nonexistent/step_000001"], "checkpoint.resume=/nonexistent/step_000001 cannot "
+                                                     "be loaded: /nonexistent/step_000001 is not a "
+                                                     "directory", "give a complete step directory"),
+    (["checkpoint.resume={d}/ckpt/step_000002"], "run_state.json is unreadable (JSONDecodeError",
+     "give a complete step directory"),
+    (["checkpoint.resume={d}/ckpt3/step_000003"], "step_000003/actor: data file __0_0.distcp is "
+                                                  "truncated", "give a complete step directory"),
+    (["checkpoint.resume=auto", "checkpoint.dir={d}/ckpt2"], "checkpoint.resume=auto: ", "checkpoint.resume=never"),
+    (["checkpoint.resume=auto", "logging.dir={d}/earlier_run"], "holds an earlier run but no usable "
+                                                                "checkpoint", "checkpoint.resume=never"),
+] + RANGE_CASES
+
+
+@pytest.fixture()
+def no_rank_starts(monkeypatch):
+    def trap(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr("mcore_rl.parallel.local_launch.run_ranks", trap)
+    monkeypatch.setattr("mcore_rl.cli.rank_main.rank_main", trap)
+
+
+def _listing(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_size if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("argv, names, fix", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_is_one_line_exit_2_before_any_rank_and_writes_nothing(
+        argv, names, fix, files, tmp_path, capsys, no_rank_starts):
+    argv = [a.format(d=files) for a in argv]
+    run_dir = tmp_path / "run"
+    if not any(a.startswith("logging.dir=") for a in argv):
+        argv.append(f"logging.dir={run_dir}")
+    before = _listing(files)
+    assert main(["train", QUICK, *argv]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("mcore-rl train: error: "), lines[0]
+    assert names.format(d=files) in lines[0], lines[0]
+    assert fix.format(d=files) in lines[0], lines[0]
+    assert not run_dir.exists(), "a rejected run wrote its output directory"
+    assert _listing(files) == before, "a rejected run changed its inputs"
+
+
+def test_every_bounded_field_has_an_out_of_range_case_and_the_cases_are_many():
+    fields = {case[0][0].split("=")[0] for case in RANGE_CASES}
+    assert fields == set(RANGES)
+    assert all(not RANGES[c[0][0].split("=")[0]].holds(float(c[0][0].split("=")[1]))
+               for c in RANGE_CASES)
+    assert len(CASES) >= 81
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["config", "show", QUICK, "--world-size", "0"], "the world size must be >= 1, got 0"),
+    (["config", "show", QUICK, "reshard.bucket_mb=-1"], "reshard.bucket_mb must be > 0, got -1"),
+    (["config", "show", QUICK, "reward.name=reward_model"], "reward 'reward_model' is not available"),
+    (["config", "show", str(REPO / "configs" / "nope.yaml")], "config file"),
+])
+def test_config_show_rejects_the_same_inputs(argv, message, capsys, no_rank_starts):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

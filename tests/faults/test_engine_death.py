@@ -1,0 +1,115 @@
+"""An engine that dies ends the run with a named error instead of a hang, and an engine
+never outlives the trainer that owns it.
+
+- SIGKILL of vLLM's engine core during a generation: `EngineDiedError` within 60 s, naming
+  the process, the signal and the engine's last output;
+- SIGKILL of the engine during a weight sync (from the reward function of the run, which
+  runs on the rank that owns the engine): ``mcore-rl train`` exits 1 with that error;
+- SIGKILL of the trainer: none of its engine processes is alive 10 s later.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mcore_rl.engines import SamplingConfig
+from tests.models.tiny_hf import save_tiny_hf_model
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = ["rollout.engine=vllm", "train.warm_start_steps=0", "train.val_every=0",
+       "checkpoint.save_every=0", "logging.progress_bar=false", "logging.tensorboard=false",
+       "logging.samples_every=0", "reshard.verify=false"]
+
+
+def engine_core_pids(root_pid: int) -> list[int]:
+    """Descendants of ``root_pid`` that are vLLM's engine core."""
+    out = []
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if proc.cmdline()[:1] == ["VLLM::EngineCore"]:
+                out.append(proc.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_a_generation_whose_engine_is_killed_fails_within_60s_naming_the_signal(tmp_path):
+    from mcore_rl.engines.liveness import EngineDiedError
+    from mcore_rl.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(str(save_tiny_hf_model("llama-tied", tmp_path / "m")), max_model_len=256)
+    try:
+        engine.generate([[5, 6, 7]], SamplingConfig(max_new_tokens=2))
+        (core,) = engine_core_pids(os.getpid())
+        long = SamplingConfig(n=64, max_new_tokens=250, min_new_tokens=250, temperature=1.0, seed=1)
+        killer = threading.Timer(1.0, os.kill, args=(core, signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(EngineDiedError) as err:
+            engine.generate([[5, 6, 7]] * 16, long)
+        elapsed = time.monotonic() - start
+    finally:
+        engine.close()
+    message = str(err.value)
+    assert elapsed < 60, elapsed
+    assert message.startswith("the vllm engine died during generate: VLLM::EngineCore "
+                              f"(pid {core}) killed by signal 9 (SIGKILL)"), message
+    assert "its last output:" in message and len(message.splitlines()) > 2, message
+
+
+def reward_that_kills_the_engine_at_step_2(prompt, response, meta):
+    """Exact match; the 17th call (step 2, with 16 samples per step) kills the engine core."""
+    global _calls
+    _calls = globals().get("_calls", 0) + 1
+    if _calls == 17:
+        for pid in engine_core_pids(os.getpid()):
+            os.kill(pid, signal.SIGKILL)
+    return float(response.strip() == str(meta["answer"]))
+
+
+def test_an_engine_killed_before_a_weight_sync_ends_the_run_with_the_named_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/quickstart.yaml", *RUN,
+         "train.steps=6", "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+         f"reward.name={__name__}:reward_that_kills_the_engine_at_step_2",
+         f"logging.dir={tmp_path}"],
+        capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("mcore-rl train: error")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("mcore-rl train: error: the vllm engine died during the weight "
+                                "sync: VLLM::EngineCore"), errors[0]
+    assert "killed by signal 9 (SIGKILL)" in errors[0]
+    ours = [line for line in proc.stderr.splitlines() if not line.startswith("  | ")]
+    assert not any("Traceback" in line for line in ours), proc.stderr[-3000:]  # the engine's may
+    steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1], steps
+
+
+def test_no_engine_process_outlives_a_killed_trainer(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/quickstart.yaml", *RUN,
+         "train.steps=500", f"logging.dir={tmp_path}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        engine = [psutil.Process(p) for p in engine_core_pids(proc.pid)]
+        engine += [c for p in engine for c in p.children(recursive=True)]
+        assert engine, "no engine process found"
+    finally:
+        proc.kill()
+        proc.wait()
+    time.sleep(10)
+    alive = [p.pid for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], f"engine processes {alive} outlived the trainer"
