@@ -61,14 +61,10 @@ def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
     plan = build_plan(group, data is not None, steps, feed_buffer)
     for spec in plan.instances:
         STRATEGIES.entry(spec.strategy)  # an unknown name fails here, before Ray starts
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address=address, include_dashboard=False)
-    try:
+    if ray.is_initialized():
         return _Launch(plan, steps).execute(data, num_epochs)
-    finally:
-        if started:
-            ray.shutdown()
+    with ray_shim.local_ray(address=address, include_dashboard=False):
+        return _Launch(plan, steps).execute(data, num_epochs)
 
 
 class _Launch:

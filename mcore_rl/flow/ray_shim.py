@@ -1,8 +1,10 @@
 """The one place mcore-rl imports Ray from (an optional dependency of `mcore_rl.flow`)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import signal
 from typing import Any
 
 from mcore_rl.errors import UsageError
@@ -21,6 +23,26 @@ def require() -> Any:
     import ray
 
     return ray
+
+
+DRIVER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""Signals whose handlers ``ray.init`` replaces in the driver, and never puts back."""
+
+
+@contextlib.contextmanager
+def local_ray(**init_kwargs):
+    """Ray started for the span of the block (``ray.init(**init_kwargs)``), then shut down;
+    the driver's signal handlers are as they were before (the trainer's own stop handling,
+    a caller's handlers)."""
+    ray = require()
+    saved = {sig: signal.getsignal(sig) for sig in DRIVER_SIGNALS}
+    ray.init(**init_kwargs)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 @functools.lru_cache(maxsize=None)

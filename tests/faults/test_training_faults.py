@@ -150,3 +150,46 @@ def test_a_disk_that_fills_up_mid_save_is_one_line_and_the_partial_step_is_remov
     assert "the partial step was removed" in result[1]
     assert list((tiny_fs / "ckpt").glob("step_*")) == []
     assert shutil.disk_usage(tiny_fs).used < 2**20 // 2  # nothing left filling it
+
+
+def broken_reward(prompt, response, meta):
+    """A reward function with a bug: every call raises."""
+    return meta["no_such_field"]
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_initial_model(tmp_path):
+    run = BASE + ["train.steps=2", "checkpoint.save_every=0", f"logging.dir={tmp_path}",
+                  f"reward.name={__name__}:broken_reward"]
+    result = shared_world(1).run(_train, run)[0]
+    assert result[0] == "RewardError" and "broken_reward raised KeyError" in result[1], result
+    assert not (tmp_path / "initial_model").exists()
+    assert not list(tmp_path.glob("initial_model*"))
+
+
+def _verify_nan(rank, world_size):
+    """Engine and trainer log-probs where the trainer's are NaN: the check must fail."""
+    import torch
+
+    from mcore_rl.engines.base import Rollouts, RolloutSample
+    from mcore_rl.rl.engine_verify import LogprobMismatchError, verify_engine_logprobs
+
+    class Engine:
+        weight_version = 1
+
+        def generate(self, prompts, sampling):
+            return Rollouts([RolloutSample(0, 0, prompts[0], [4, 5], [-1.0, -2.0], "length", 1)])
+
+    class Trainer:
+        def forward(self, batch, temperature):
+            return {"logprobs": torch.full(batch["input_ids"].shape, float("nan"))}
+
+    try:
+        verify_engine_logprobs(Trainer(), Engine(), [[1, 2, 3]], temperature=1.0, tolerance=0.05)
+    except LogprobMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_engine_verification_treats_nan_as_a_mismatch():
+    message = shared_world(1).run(_verify_nan)[0]
+    assert message is not None and "differ by up to nan" in message, message

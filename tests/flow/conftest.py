@@ -18,13 +18,12 @@ grandchildren)."""
 
 @pytest.fixture(scope="package")
 def ray_cluster():
-    import ray
+    from mcore_rl.flow.ray_shim import local_ray
 
     saved = {k: os.environ.get(k) for k in RAY_OWN_CLEANUP_OFF}
     os.environ.update(RAY_OWN_CLEANUP_OFF)
-    ray.init(num_cpus=len(CORES), include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    with local_ray(num_cpus=len(CORES), include_dashboard=False, log_to_driver=False) as ray:
+        yield ray
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -1,5 +1,6 @@
-"""`launch` without a running Ray starts a local one and shuts it down again, and a
-worker-group controller runs its function SPMD on a gloo world of its own."""
+"""`launch` without a running Ray starts a local one and shuts it down again, leaving the
+driver's signal handlers as they were, and a worker-group controller runs its function
+SPMD on a gloo world of its own."""
 from __future__ import annotations
 
 import json
@@ -18,14 +19,17 @@ import ray
 from mcore_rl.flow import Controller, ControllerGroup, DataStream, factory, launch
 from tests.flow import helpers
 
+import signal
 log = sys.argv[1]
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the driver's own handler, to be kept
 sums = DataStream("sums", 2)
 group = ControllerGroup([
     Controller("ranks", factory(helpers.RankSum, log), data_output=sums, strategy="worker_group",
                num_workers=2, devices=[0, 1] if len(os.sched_getaffinity(0)) > 1 else None),
     Controller("sink", factory(helpers.Consume, log), data_input=sums)])
 stats = launch(group, data=[1, 2, 3])
-print(json.dumps({"initialized": ray.is_initialized(), "steps": stats.steps}), flush=True)
+print(json.dumps({"initialized": ray.is_initialized(), "steps": stats.steps,
+                  "sigterm_kept": signal.getsignal(signal.SIGTERM) is signal.SIG_IGN}), flush=True)
 sys.stdin.readline()
 """
 
@@ -42,7 +46,7 @@ def test_launch_starts_its_own_ray_and_shuts_it_down_running_a_worker_group(tmp_
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         line = driver.stdout.readline()  # launch returned; the driver is still alive
-        assert json.loads(line) == {"initialized": False, "steps": 3}
+        assert json.loads(line) == {"initialized": False, "steps": 3, "sigterm_kept": True}
         deadline = time.monotonic() + 10
         while ray_processes() - before and time.monotonic() < deadline:
             time.sleep(0.1)
