@@ -4,9 +4,9 @@ update -> sync.
 Synchronous: the rollout engine and the trainer take turns. Colocated, the engine sleeps
 while the trainer updates, then wakes its weights for the sync and its KV cache for the
 next generation. Every phase is its own function in ``mcore_rl.rl.phases`` (``(state,
-batch) -> batch``), so a later schedule can overlap them. Simplifications, on purpose: one rollout
-batch per step (no replay buffer); the reference model is frozen at the initial weights;
-KL is estimated per token from policy samples (k1/k3).
+batch) -> batch``), so a later schedule can overlap them. Simplifications, on purpose: one
+rollout batch per step (no replay buffer); the reference model is frozen at the initial
+weights; KL is estimated per token from policy samples (k1/k3).
 """
 from __future__ import annotations
 

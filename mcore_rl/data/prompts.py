@@ -95,7 +95,8 @@ PROMPT_SOURCES: Registry = Registry("prompt source")
 
 @PROMPT_SOURCES.register("jsonl", aliases=("parquet",))
 def file_records(cfg: DataConfig, split: str) -> list[PromptRecord]:
-    """Records of the JSONL or parquet file ``data.path`` (by its suffix; validation: ``data.val_path``, or the first ``num_val`` rows)."""
+    """Records of the JSONL or parquet file ``data.path`` (by its suffix); validation:
+    ``data.val_path``, or the first ``num_val`` rows."""
     if split == "val" and cfg.val_path:
         return read_records(cfg.val_path, cfg.prompt_key, cfg.answer_key)
     if not cfg.path:

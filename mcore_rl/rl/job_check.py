@@ -1,9 +1,9 @@
 """Names in a config checked against their registries, before any rank starts.
 
 Each config field that names a variant (an engine, a prompt source, a reward, an advantage
-estimator, a policy loss, a weight-sync transport) is looked up in the registry that holds it, so a new variant
-needs only its registry entry, and a wrong or unavailable name is one line naming the
-field, what is registered, and the closest match.
+estimator, a policy loss, a weight-sync transport) is looked up in the registry that holds
+it, so a new variant needs only its registry entry, and a wrong or unavailable name is one
+line naming the field, what is registered, and the closest match.
 """
 from __future__ import annotations
 

@@ -104,7 +104,8 @@ def reference_logprobs(state, batch: Batch) -> Batch:
     if state.reference is None:
         return batch
     temperature = state.cfg.rollout.temperature or 1.0
-    return batch.with_tensors(ref_logprobs=state.reference.forward(batch, temperature=temperature)["logprobs"])
+    ref = state.reference.forward(batch, temperature=temperature)["logprobs"]
+    return batch.with_tensors(ref_logprobs=ref)
 
 
 def rollout_kl(state, batch: Batch) -> torch.Tensor:
@@ -118,7 +119,8 @@ def kl_penalty(state, batch: Batch) -> Batch:
     ``token_rewards - kl_coef * KL`` (otherwise the KL is a loss term of the update)."""
     if state.reference is None or not state.cfg.algorithm.kl_in_reward:
         return batch
-    return batch.with_tensors(token_rewards=batch["token_rewards"] - state.kl.coef * rollout_kl(state, batch))
+    penalty = state.kl.coef * rollout_kl(state, batch)
+    return batch.with_tensors(token_rewards=batch["token_rewards"] - penalty)
 
 
 def measured_kl(state, batch: Batch, update_metrics: dict[str, float]) -> float | None:
@@ -177,18 +179,18 @@ def update_actor(state, batch: Batch) -> dict[str, float]:
             fn = _with_current_as_old(loss) if not results else loss
             results.append(state.actor.train_batch(mb, fn, temperature=temperature,
                                                    with_entropy=True))
-    check_applied(state, "actor", results)
+    skipped = skipped_updates(state, "actor", results)
     last = results[-1]
     return {"actor/loss": sum(r.loss for r in results) / len(results),
-            "actor/skipped_updates": float(sum(not r.applied for r in results)),
+            "actor/skipped_updates": skipped,
             "actor/grad_norm": last.grad_norm, "actor/lr": last.lr,
             "actor/first_minibatch_ratio_abs_dev": results[0].metrics["ratio_abs_dev"],
             **{f"actor/{k}": v for k, v in last.metrics.items()}}
 
 
-def check_applied(state, model: str, results: list) -> None:
-    """``train.on_nonfinite``: stop at the first update skipped for a non-finite loss or
-    gradient (the weights stay as they were), or let the run go on (counted)."""
+def skipped_updates(state, model: str, results: list) -> float:
+    """How many of the updates were skipped for a non-finite loss or gradient (the weights
+    stay as they were); with ``train.on_nonfinite: stop``, any of them ends the run."""
     skipped = [r for r in results if not r.applied]
     if skipped and state.cfg.train.on_nonfinite == "stop":
         raise NonFiniteError(
@@ -196,6 +198,7 @@ def check_applied(state, model: str, results: list) -> None:
             f"{skipped[0].loss:.4g}) in {len(skipped)} of {len(results)} updates; none of them was "
             "applied; lower the learning rate, check the data and reward, or set "
             "train.on_nonfinite=skip to skip such updates")
+    return float(len(skipped))
 
 
 def update_critic(state, batch: Batch) -> dict[str, float]:
@@ -205,9 +208,8 @@ def update_critic(state, batch: Batch) -> dict[str, float]:
     results = [state.critic.train_batch(mb, critic_loss_fn(a))
                for epoch in range(a.ppo_epochs)
                for mb in _mini_batches(batch, a.mini_batches, epoch, state.cfg.train.seed + state.step)]
-    check_applied(state, "critic", results)
     return {"critic/loss": sum(r.loss for r in results) / len(results),
-            "critic/skipped_updates": float(sum(not r.applied for r in results)),
+            "critic/skipped_updates": skipped_updates(state, "critic", results),
             "critic/grad_norm": results[-1].grad_norm}
 
 

@@ -54,8 +54,8 @@ def run_smoke(cfg: RLConfig, ctx: ParallelContext, steps: int = 10, log=print,
     """Train on synthetic sequences up to step ``steps``; returns the global token-mean loss
     of every step 1..steps (the same on every rank), including steps run before a resume.
 
-    ``stop``: an object with ``should_stop(ctx)`` (the launcher's `StopSignal`); when all ranks agree to stop, the
-    state is saved and `StopRequested` is raised.
+    ``stop``: an object with ``should_stop(ctx)`` (the launcher's `StopSignal`); when all
+    ranks agree to stop, the state is saved and `StopRequested` is raised.
     """
     from dataclasses import replace
 
