@@ -1,5 +1,17 @@
-"""Byte counts in messages, in a unit that shows them (never "0.00 GiB")."""
+"""Byte counts: free space on a file system, and sizes in messages in a unit that shows
+them (never "0.00 GiB")."""
 from __future__ import annotations
+
+import os
+
+
+def free_bytes(directory: str | os.PathLike) -> int | None:
+    """Bytes still free in ``directory``'s file system (None: unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def format_bytes(nbytes: int | None) -> str:

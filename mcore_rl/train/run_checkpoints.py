@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mcore_rl.errors import NonFiniteError, UsageError
 from mcore_rl.parallel.agreement import all_gather, raise_if_any
-from mcore_rl.sizes import format_bytes
+from mcore_rl.sizes import format_bytes, free_bytes
 from mcore_rl.train.checkpoint import load_engine, save_engine
 from mcore_rl.train.checkpoint_check import checkpoint_problem
 
@@ -35,12 +35,8 @@ class CheckpointSpaceError(UsageError):
 
 def _free_bytes(directory: Path) -> int | None:
     """Free bytes on the file system that holds (or will hold) ``directory``."""
-    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
-    try:
-        st = os.statvfs(existing or ".")
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
+    return free_bytes(existing)
 
 
 def _out_of_space(err: BaseException) -> bool:

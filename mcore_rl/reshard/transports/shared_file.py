@@ -29,9 +29,9 @@ from mcore_rl.parallel.agreement import all_gather, barrier, group_ranks, raise_
 from mcore_rl.reshard.plan import Holding, Piece, ReshardPlan
 from mcore_rl.reshard.sources import local_holdings, pointers
 from mcore_rl.reshard.transports.base import Transport, TransportSetup
-from mcore_rl.reshard.transports.shm_file import agree_on_path, free_bytes
+from mcore_rl.reshard.transports.shm_file import agree_on_path
 from mcore_rl.reshard.writer import Copy
-from mcore_rl.sizes import format_bytes
+from mcore_rl.sizes import format_bytes, free_bytes
 from mcore_rl.wire import ALIGN, align, create_bucket_file, map_bucket_file, remove_bucket_file
 
 REGION_BYTES = 16 * 2**20

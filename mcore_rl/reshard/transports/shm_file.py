@@ -10,24 +10,14 @@ import os
 import uuid
 from pathlib import Path
 
-from mcore_rl.sizes import format_bytes
-
 from mcore_rl.parallel.agreement import broadcast
+from mcore_rl.sizes import format_bytes, free_bytes
 
 
 def agree_on_path(shm_dir: str, controller: int, group=None) -> str:
     """A fresh file name in ``shm_dir``, chosen by the controller (collective)."""
     name = broadcast(f"mcore_rl_reshard_{os.getpid()}_{uuid.uuid4().hex[:8]}", controller, group)
     return str(Path(shm_dir) / name)
-
-
-def free_bytes(directory: str) -> int | None:
-    """Bytes still free in ``directory``'s file system (None: unknown)."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 def room_problem(directory: str, nbytes: int, what: str, fix: str) -> str | None:
