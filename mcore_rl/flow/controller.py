@@ -16,7 +16,7 @@ from mcore_rl.flow import ray_shim
 from mcore_rl.flow.hub import ENDED, OPEN
 from mcore_rl.flow.plan import InstanceSpec
 from mcore_rl.flow.stats import ControllerStats
-from mcore_rl.flow.strategies import STRATEGIES, Executor
+from mcore_rl.flow.strategies import Executor, resolve_strategy
 
 
 def merge_items(items: list, batch_items: int) -> Any:
@@ -65,7 +65,7 @@ class ControllerProcess:
 
     def setup(self) -> list[tuple[str, int]]:
         """Build the function through the strategy; the processes the strategy started."""
-        self.executor = STRATEGIES.get(self.spec.strategy)(self.spec)
+        self.executor = resolve_strategy(self.spec.strategy)(self.spec)
         return self.executor.processes()
 
     def run(self, hub: Any) -> ControllerStats:

@@ -72,8 +72,10 @@ class Controller:
     devices: Sequence[int] | None = None
     """Cores (on CPU) this controller's processes are pinned to; controllers sharing a device
     take turns, one function call at a time. None: no device, no reserved core."""
-    strategy: str = "process"
-    """How the function runs: a name in `mcore_rl.flow.STRATEGIES`, or ``module:attr``."""
+    strategy: Any = "process"
+    """How the function runs: a name in `mcore_rl.flow.STRATEGIES` (``process``,
+    ``worker_group``), ``module:attr``, or a strategy object such as
+    ``mcore_rl.flow.Megatron(tp=2)`` (its ``world_size`` sets ``num_workers``)."""
     batch_items: int = 1
     """Items merged into one call: ``Batch.cat`` for batches, a list otherwise; the last,
     partial group at end-of-stream is delivered too."""
@@ -93,6 +95,17 @@ class Controller:
                 raise UsageError(f"controller '{self.role}': devices must be distinct device ids "
                                  f"(cores on CPU), got {list(self.devices)}")
             self.devices = devices
+        if not isinstance(self.strategy, str):
+            if not callable(self.strategy):
+                raise UsageError(f"controller '{self.role}': strategy must be a name or a strategy "
+                                 f"object, got {type(self.strategy).__name__}")
+            world = getattr(self.strategy, "world_size", None)
+            if world is not None:
+                if self.num_workers not in (1, world):
+                    raise UsageError(f"controller '{self.role}': num_workers={self.num_workers} "
+                                     f"conflicts with {self.strategy} ({world} ranks); leave "
+                                     "num_workers out")
+                self.num_workers = world
         if self.data_input is not None and self.data_input is self.data_output:
             raise UsageError(f"controller '{self.role}' reads and writes the same stream")
 

@@ -60,7 +60,8 @@ def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
                          "iterator: give a list or another re-iterable")
     plan = build_plan(group, data is not None, steps, feed_buffer)
     for spec in plan.instances:
-        STRATEGIES.entry(spec.strategy)  # an unknown name fails here, before Ray starts
+        if isinstance(spec.strategy, str):
+            STRATEGIES.entry(spec.strategy)  # an unknown name fails here, before Ray starts
     if ray.is_initialized():
         return _Launch(plan, steps).execute(data, num_epochs)
     with ray_shim.local_ray(address=address, include_dashboard=False):

@@ -21,7 +21,8 @@ class InstanceSpec:
     index: int
     """Its position among the instances of its role (0, 1, ...)."""
     function: Any
-    strategy: str
+    strategy: Any
+    """A name in `STRATEGIES` (or ``module:attr``), or a strategy object."""
     num_workers: int
     devices: tuple[int, ...] | None
     batch_items: int

@@ -33,6 +33,11 @@ class Executor(Protocol):
 STRATEGIES: Registry[Callable[[InstanceSpec], Executor]] = Registry("controller strategy")
 
 
+def resolve_strategy(strategy: Any) -> Callable[[InstanceSpec], Executor]:
+    """A controller's ``strategy``: a registered name, or the strategy object itself."""
+    return STRATEGIES.get(strategy) if isinstance(strategy, str) else strategy
+
+
 class InProcess:
     """The function, called in this process."""
 

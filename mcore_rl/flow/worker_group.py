@@ -1,30 +1,41 @@
 """The ``worker_group`` strategy: a controller's function run SPMD by ``num_workers``
-processes that form one torch.distributed world (gloo here; NCCL is the same shape).
+processes that form one torch.distributed world (gloo on CPU, NCCL on GPU).
 
 Each rank is a Ray actor pinned to its share of the controller's devices. The function is
 built on every rank; per item, every rank is called with the same item (one object-store
 reference) and the controller takes rank 0's result, as one controller drives one SPMD
-group. A rank that fails fails the call at once, whatever the others are doing."""
+group. A rank that fails fails the call at once, whatever the others are doing. A driver
+may also call any method of the function's object on every rank at once (`WorkerGroup.
+invoke`): that is how `mcore_rl.RLTrainer` drives its ranks."""
 from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 
 from mcore_rl.flow import ray_shim
 from mcore_rl.flow.graph import build_function
 from mcore_rl.flow.placement import pin_to_cores, split_devices
-from mcore_rl.flow.plan import InstanceSpec
+
+RankSetup = Callable[[int, int], None]
+"""Run on every rank after it joined the world, before the function is built: ``(rank,
+world_size)``; e.g. the Megatron strategy's model-parallel state."""
 
 
 class RankProcess:
     """One rank of a worker group (a Ray actor)."""
 
-    def __init__(self, rank: int, world_size: int, devices: tuple[int, ...] | None):
+    def __init__(self, rank: int, world_size: int, devices: tuple[int, ...] | None,
+                 threads: int | None = None, env: dict[str, str] | None = None):
         if os.getpgid(0) != os.getpid():
             os.setpgid(0, 0)
+        os.environ.update(env or {})
         self.rank, self.world_size = rank, world_size
         pin_to_cores(devices)
+        if threads is not None and not devices:
+            import torch
+
+            torch.set_num_threads(threads)
         self.function: Any = None
 
     def where(self) -> tuple[str, int]:
@@ -38,15 +49,23 @@ class RankProcess:
             port = s.getsockname()[1]
         return f"tcp://{host}:{port}"
 
-    def start(self, init_method: str, function: Any) -> None:
+    def start(self, init_method: str, function: Any, setup: RankSetup | None = None,
+              backend: str = "gloo") -> None:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=init_method, rank=self.rank,
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
+                          LOCAL_RANK=str(self.rank))
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank,
                                 world_size=self.world_size)
+        if setup is not None:
+            setup(self.rank, self.world_size)
         self.function = build_function(function)
 
     def call(self, item: Any) -> Any:
         return self.function(item)
+
+    def invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.function, method)(*args, **kwargs)
 
     def stop(self) -> None:
         import torch.distributed as dist
@@ -65,22 +84,50 @@ class WorkerGroup:
         self.ranks, self.places = ranks, places
 
     @classmethod
-    def start(cls, spec: InstanceSpec) -> "WorkerGroup":
+    def start(cls, spec, setup: RankSetup | None = None, threads: int | None = None,
+              backend: str = "gloo", env: dict[str, str] | None = None) -> "WorkerGroup":
+        """``spec.num_workers`` ranks on ``spec.devices`` (an `InstanceSpec`, or anything
+        with ``function``, ``num_workers`` and ``devices``), joined into one world."""
         actor = ray_shim.actor_class(RankProcess)
         shares = split_devices(spec.devices, spec.num_workers)
-        ranks = [actor.options(num_cpus=0).remote(rank, spec.num_workers, share)
+        ranks = [actor.options(num_cpus=0).remote(rank, spec.num_workers, share, threads, env)
                  for rank, share in enumerate(shares)]
-        places = ray_shim.get_all([r.where.remote() for r in ranks])
-        init_method = ray_shim.require().get(ranks[0].rendezvous.remote())
-        ray_shim.get_all([r.start.remote(init_method, spec.function) for r in ranks])
-        return cls(ranks, places)
+        group = cls(ranks, [])
+        try:
+            group.places = ray_shim.get_all([r.where.remote() for r in ranks])
+            init_method = ray_shim.require().get(ranks[0].rendezvous.remote())
+            ray_shim.get_all([r.start.remote(init_method, spec.function, setup, backend)
+                              for r in ranks])
+        except BaseException:
+            group.kill()
+            raise
+        return group
 
     def __call__(self, item: Any) -> Any:
         ref = ray_shim.require().put(item)
         return ray_shim.get_all([r.call.remote(ref) for r in self.ranks])[0]
+
+    def invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method(*args, **kwargs)`` of the function's object on every rank; rank 0's result."""
+        ray = ray_shim.require()
+        args_ref, kwargs_ref = ray.put(args), ray.put(kwargs)
+        return ray_shim.get_all([r.invoke.remote(method, args_ref, kwargs_ref)
+                                 for r in self.ranks])[0]
 
     def processes(self) -> list[tuple[str, int]]:
         return list(self.places)
 
     def close(self) -> None:
         ray_shim.get_all([r.stop.remote() for r in self.ranks])
+
+    def kill(self) -> None:
+        """Every rank's actor and the process groups they lead (engines they started)."""
+        from mcore_rl.flow.controller import kill_process_group
+
+        ray = ray_shim.require()
+        for r in self.ranks:
+            ray.kill(r, no_restart=True)
+        here = ray_shim.node_id()
+        for node, pid in self.places:
+            if node == here:
+                kill_process_group(pid)

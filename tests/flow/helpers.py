@@ -201,3 +201,24 @@ class RankSum:
         total = torch.tensor([float(x) * (self.rank + 1)])
         dist.all_reduce(total)
         return {"x": x, "sum": total.item(), "rank": self.rank, "world": self.world}
+
+
+class LayoutReport:
+    """For the Megatron strategy: each call all-reduces ``x * (global rank + 1)`` over the
+    rank's tensor-parallel group and reports its coordinates in the layout."""
+
+    def __init__(self, log: str):
+        from mcore_rl.flow import rank_context
+
+        self.ctx = rank_context()
+        write(log, rank=self.ctx.rank, pid=os.getpid(), tp_rank=self.ctx.tp_rank,
+              pp_rank=self.ctx.pp_rank, dp_rank=self.ctx.dp_rank)
+
+    def __call__(self, x):
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([float(x) * (self.ctx.rank + 1)])
+        dist.all_reduce(total, group=self.ctx.tp_group)
+        return {"x": x, "tp_sum": total.item(), "rank": self.ctx.rank,
+                "layout": str(self.ctx.layout)}
