@@ -26,6 +26,12 @@ def rl_step(state: RunState) -> dict[str, float]:
         batch = phases.generate(state, state.prompts.take(cfg.data.prompts_per_step))
     with timer("score"):
         batch = phases.score(state, batch)
+    return learn(state, batch, timer)
+
+
+def learn(state: RunState, batch, timer: "PhaseTimer") -> dict[str, float]:
+    """The rest of a step, from a scored rollout batch: log-probs, KL, values, advantages,
+    the update and the weight sync; the step's metrics."""
     with timer("logprobs"):
         batch = phases.old_logprobs(state, batch)
         batch = phases.reference_logprobs(state, batch)
@@ -115,8 +121,10 @@ def resume_or_warm_start(state: RunState) -> None:
         state.log.log(0, {"val/score": validation_score(state)}, console=True)
 
 
-def save_checkpoint(state: RunState):
-    return state.checkpoints.save(state.step, state.trained_engines(), {
+def save_checkpoint(state: RunState, checkpoints=None):
+    """A checkpoint of the run's trained models and its state, in ``checkpoints`` (a
+    `RunCheckpoints`; default the run's ``checkpoint.dir``)."""
+    return (checkpoints or state.checkpoints).save(state.step, state.trained_engines(), {
         "data_position": state.prompts.position, "kl": state.kl.state_dict(),
         "weight_version": state.weight_version})
 

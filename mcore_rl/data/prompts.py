@@ -21,6 +21,8 @@ class PromptRecord:
     """Prompt text as given by the dataset (before any chat template)."""
     meta: dict = field(default_factory=dict)
     """What the reward function receives (e.g. ``answer``)."""
+    token_ids: tuple[int, ...] | None = None
+    """The prompt's token ids, when given as tokens (used as they are: no chat template)."""
 
 
 def read_records(path: str | Path, prompt_key: str, answer_key: str) -> list[PromptRecord]:

@@ -5,7 +5,7 @@ import contextlib
 import functools
 import importlib.util
 import signal
-from typing import Any
+from typing import Any, Callable
 
 from mcore_rl.errors import UsageError
 
@@ -29,20 +29,30 @@ DRIVER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """Signals whose handlers ``ray.init`` replaces in the driver, and never puts back."""
 
 
-@contextlib.contextmanager
-def local_ray(**init_kwargs):
-    """Ray started for the span of the block (``ray.init(**init_kwargs)``), then shut down;
-    the driver's signal handlers are as they were before (the trainer's own stop handling,
-    a caller's handlers)."""
+def start_local(**init_kwargs) -> Callable[[], None]:
+    """``ray.init(**init_kwargs)``; returns the function that shuts it down again and puts
+    back the driver's signal handlers as they were before (the trainer's own stop
+    handling, a caller's handlers)."""
     ray = require()
     saved = {sig: signal.getsignal(sig) for sig in DRIVER_SIGNALS}
     ray.init(**init_kwargs)
-    try:
-        yield ray
-    finally:
+
+    def stop() -> None:
         ray.shutdown()
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+    return stop
+
+
+@contextlib.contextmanager
+def local_ray(**init_kwargs):
+    """Ray started for the span of the block (`start_local`), then shut down."""
+    stop = start_local(**init_kwargs)
+    try:
+        yield require()
+    finally:
+        stop()
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,6 +10,7 @@ data-parallel ranks.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import torch
 
@@ -32,19 +33,23 @@ def encode_prompts(state, records) -> tuple[list[list[int]], list[dict], int]:
     """Token ids of prompts within the length limit (and how many were filtered out)."""
     ids, metas = [], []
     for r in records:
-        tokens = state.tokenizer.encode_prompt(r.prompt, state.cfg.data.apply_chat_template)
+        tokens = list(r.token_ids) if r.token_ids is not None else \
+            state.tokenizer.encode_prompt(r.prompt, state.cfg.data.apply_chat_template)
         if len(tokens) <= state.cfg.rollout.max_prompt_tokens:
             ids.append(tokens)
             metas.append({"prompt": r.prompt, **r.meta})
     return ids, metas, len(records) - len(ids)
 
 
-def generate(state, records, *, greedy: bool = False) -> Batch:
-    """Prompts -> rollouts (n per prompt; one greedy sample each for validation)."""
+def generate(state, records, *, greedy: bool = False, n: int | None = None,
+             step: int | None = None) -> Batch:
+    """Prompts -> rollouts (``n`` per prompt, default ``rollout.n_samples_per_prompt``; one
+    greedy sample each for validation). ``step`` (default the run's) seeds the sampling."""
     cfg = state.cfg
+    step = state.step if step is None else step
     prompt_ids, metas, filtered = encode_prompts(state, records)
     if not prompt_ids:
-        raise RuntimeError(f"every prompt of step {state.step} is longer than "
+        raise RuntimeError(f"every prompt of step {step} is longer than "
                            f"rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens}")
     batch = None
     if state.is_controller:
@@ -52,7 +57,9 @@ def generate(state, records, *, greedy: bool = False) -> Batch:
         if greedy:
             sampling = type(sampling)(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens,
                                       stop_token_ids=sampling.stop_token_ids)
-        seeds = [request_seed(cfg.train.seed, state.step, i) for i in range(len(prompt_ids))]
+        elif n is not None:
+            sampling = replace(sampling, n=n)
+        seeds = [request_seed(cfg.train.seed, step, i) for i in range(len(prompt_ids))]
         rollouts = state.rollout.generate(prompt_ids, sampling, seeds=seeds)
         batch = rollouts.to_batch(pad_id=state.tokenizer.pad_id)
         batch.meta["prompt_meta"] = [metas[s.prompt_index] for s in rollouts.samples]
@@ -73,10 +80,16 @@ def score(state, batch: Batch) -> Batch:
         prompts = [m["prompt"] for m in batch.meta["prompt_meta"]]
         scores = score_all(state.reward_fn, prompts, batch.meta["response_text"],
                            batch.meta["prompt_meta"])
-        if state.cfg.rollout.truncated_response == "penalize":
-            scores = torch.where(batch["truncated"], torch.tensor(state.cfg.reward.truncation_penalty),
-                                 scores)
-    scores = state.ctx.broadcast_object(scores)
+    return with_scores(state, batch, state.ctx.broadcast_object(scores))
+
+
+def with_scores(state, batch: Batch, scores: torch.Tensor) -> Batch:
+    """One score per sample (the same on every rank) as ``scores`` and as the reward on
+    its last response token; ``rollout.truncated_response=penalize`` replaces the scores
+    of truncated responses."""
+    if state.cfg.rollout.truncated_response == "penalize":
+        scores = torch.where(batch["truncated"], torch.tensor(state.cfg.reward.truncation_penalty),
+                             scores)
     rewards = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
     last = (batch.seq_lens - 1).clamp(min=0)
     has_response = batch["response_mask"].sum(-1) > 0

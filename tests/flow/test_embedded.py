@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from tests.flow import helpers
@@ -34,23 +35,34 @@ sys.stdin.readline()
 """
 
 
-def ray_processes() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True, text=True)
-    return {int(p) for p in out.stdout.split()}
+def processes_with(mark: str) -> set[int]:
+    """Processes whose environment holds ``mark``: the driver's Ray (its head processes and
+    workers inherit the driver's environment), and nothing another Ray on this machine
+    starts meanwhile (e.g. the package's cluster growing its worker pool)."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark.encode() in f.read():
+                    found.add(int(pid))
+        except OSError:
+            pass
+    return found
 
 
 def test_launch_starts_its_own_ray_and_shuts_it_down_running_a_worker_group(tmp_path):
     log = str(tmp_path / "log.jsonl")
-    before = ray_processes()
+    mark = f"MCORE_RL_TEST_DRIVER={uuid.uuid4().hex}"
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, log], cwd=REPO, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**os.environ, mark.split("=")[0]: mark.split("=")[1]})
     try:
         line = driver.stdout.readline()  # launch returned; the driver is still alive
         assert json.loads(line) == {"initialized": False, "steps": 3, "sigterm_kept": True}
         deadline = time.monotonic() + 10
-        while ray_processes() - before and time.monotonic() < deadline:
+        while processes_with(mark) - {driver.pid} and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert ray_processes() - before == set()
+        assert processes_with(mark) - {driver.pid} == set()
     finally:
         driver.communicate("\n", timeout=30)
     assert driver.returncode == 0
