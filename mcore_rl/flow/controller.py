@@ -1,7 +1,8 @@
 """One controller instance at run time: a Ray actor that takes items from its input
 stream, calls its function (through its strategy) and puts the results into its output.
 
-The actor is threaded (two threads) so that `kill_group` can run while `run` blocks. Its
+The actor is threaded so that `kill_group`, and calls on the objects it published
+(`mcore_rl.flow.services`), can run while `run` blocks. Its
 process leads its own process group, so killing the group also kills whatever the
 function started."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import time
 from typing import Any, Iterator
 
-from mcore_rl.flow import ray_shim
+from mcore_rl.flow import ray_shim, services
 from mcore_rl.flow.hub import ENDED, OPEN
 from mcore_rl.flow.plan import InstanceSpec
 from mcore_rl.flow.stats import ControllerStats
@@ -54,10 +55,11 @@ def kill_process_group(pid: int) -> None:
 class ControllerProcess:
     """The actor behind one controller instance."""
 
-    def __init__(self, spec: InstanceSpec):
+    def __init__(self, spec: InstanceSpec, hub: Any = None):
         self.spec = spec
         self.executor: Executor | None = None
         lead_process_group()
+        services.set_hub(hub)
 
     def where(self) -> tuple[str, int]:
         """(node id, pid) of this process."""
@@ -88,9 +90,18 @@ class ControllerProcess:
             stats.items_out += 1
         if spec.output is not None:
             ray.get(hub.close.remote(spec.output))
-        self.executor.close()
         stats.wall_s = time.perf_counter() - start
         return stats
+
+    def close(self) -> None:
+        """Close the function (and its strategy's processes). The launch calls it once every
+        instance has finished, so what one published stays usable to the last consumer."""
+        if self.executor is not None:
+            self.executor.close()
+
+    def serve(self, name: str, attr: str, args: tuple | None, kwargs: dict | None) -> Any:
+        """A call on an object this process published (`mcore_rl.flow.publish`)."""
+        return services.serve(name, attr, args, kwargs)
 
     def kill_group(self) -> None:
         """Kill this process, what it started and the strategy's processes on this node."""

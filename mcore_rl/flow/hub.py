@@ -99,6 +99,8 @@ class Hub:
         self.turns = DeviceTurns()
         self.steps = steps
         self.steps_taken = 0
+        self.services: dict[str, list] = {}
+        """name -> [the actor handle of the process that published it] (`flow.publish`)."""
 
     async def put(self, stream: str, box: list) -> bool:
         return await self.streams[stream].put(box)
@@ -134,6 +136,14 @@ class Hub:
     async def peek(self, stream: str) -> list[list]:
         """What waits in ``stream`` (boxed object references), left in place: for inspection."""
         return list(self.streams[stream].items)
+
+    async def publish(self, name: str, boxed_handle: list) -> None:
+        if name in self.services:
+            raise ValueError(f"two controllers publish an object named '{name}'")
+        self.services[name] = boxed_handle
+
+    async def lookup(self, name: str) -> list | None:
+        return self.services.get(name)
 
     async def ping(self) -> Any:
         return True

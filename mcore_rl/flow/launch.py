@@ -88,7 +88,7 @@ class _Launch:
             self.hub = ray_shim.actor_class(Hub).options(num_cpus=0).remote(
                 self.plan.streams, self.steps)
             controller = ray_shim.actor_class(ControllerProcess)
-            self.actors = [controller.options(num_cpus=0, max_concurrency=2).remote(spec)
+            self.actors = [controller.options(num_cpus=0, max_concurrency=4).remote(spec, self.hub)
                            for spec in self.plan.instances]
             self.processes += self._wait_all("where")
             self.processes += [p for ps in self._wait_all("setup") for p in ps]
@@ -97,6 +97,7 @@ class _Launch:
                                                daemon=True, name="flow-feeder")
                 self.feeder.start()
             stats = self._wait_all("run", self.hub)
+            self._wait_all("close")
         finally:
             self._teardown()
         sinks = {s.role for s in self.plan.instances if s.output is None}
@@ -178,7 +179,8 @@ def _describe(err: BaseException) -> str:
 def _failure(spec: InstanceSpec, method: str, err: Exception) -> FlowError:
     """The `FlowError` for ``spec`` from what ``ray.get`` of its ``method`` raised."""
     exceptions = ray_shim.require().exceptions
-    phase = {"where": "starting", "setup": "setting up", "run": "running"}[method]
+    phase = {"where": "starting", "setup": "setting up", "run": "running",
+             "close": "closing"}[method]
     if isinstance(err, exceptions.RayTaskError):
         cause = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err
         if isinstance(cause, exceptions.RayActorError):  # it lost the hub or a worker

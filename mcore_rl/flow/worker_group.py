@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Any, Callable
 
-from mcore_rl.flow import ray_shim
+from mcore_rl.flow import ray_shim, services
 from mcore_rl.flow.graph import build_function
 from mcore_rl.flow.placement import pin_to_cores, split_devices
 
@@ -26,9 +26,11 @@ class RankProcess:
     """One rank of a worker group (a Ray actor)."""
 
     def __init__(self, rank: int, world_size: int, devices: tuple[int, ...] | None,
-                 threads: int | None = None, env: dict[str, str] | None = None):
+                 threads: int | None = None, env: dict[str, str] | None = None,
+                 hub: Any = None):
         if os.getpgid(0) != os.getpid():
             os.setpgid(0, 0)
+        services.set_hub(hub)
         os.environ.update(env or {})
         self.rank, self.world_size = rank, world_size
         pin_to_cores(devices)
@@ -90,7 +92,10 @@ class WorkerGroup:
         with ``function``, ``num_workers`` and ``devices``), joined into one world."""
         actor = ray_shim.actor_class(RankProcess)
         shares = split_devices(spec.devices, spec.num_workers)
-        ranks = [actor.options(num_cpus=0).remote(rank, spec.num_workers, share, threads, env)
+        hub = services.current_hub()
+        # One thread per rank (Ray's default): Megatron's CPU layer is a per-thread torch
+        # function mode, entered on the actor's main thread.
+        ranks = [actor.options(num_cpus=0).remote(rank, spec.num_workers, share, threads, env, hub)
                  for rank, share in enumerate(shares)]
         group = cls(ranks, [])
         try:

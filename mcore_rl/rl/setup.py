@@ -134,7 +134,11 @@ def trained_parts(cfg: RLConfig) -> list[str]:
     return ["actor"] + (["critic"] if needs_critic(cfg.algorithm.advantage_estimator) else [])
 
 
-def build_run(cfg: RLConfig, ctx: ParallelContext) -> RunState:
+def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None) -> RunState:
+    """Everything a run holds, built collectively by the trainer ranks. ``engines``: rollout
+    engines that run elsewhere (e.g. proxies of other controllers' engines, from
+    `mcore_rl.flow.lookup`), given on the controller rank: the weight sync streams into all
+    of them and the run starts no engine of its own; ``rollout`` is the first."""
     from mcore_rl.engines import build_rollout_engine
     from mcore_rl.engines.stale_shm import remove_stale_shared_memory
     from mcore_rl.sizes import format_bytes
@@ -166,7 +170,9 @@ def build_run(cfg: RLConfig, ctx: ParallelContext) -> RunState:
                               optim=replace(cfg.optimizer, lr=cfg.optimizer.critic_lr),
                               total_steps=cfg.train.steps * algo.ppo_epochs * algo.mini_batches)
     rollout = None
-    if ctx.is_controller:
+    if engines is not None:
+        rollout = engines[0] if ctx.is_controller and engines else None
+    elif ctx.is_controller:
         removed, freed = remove_stale_shared_memory()
         if removed:
             print(f"mcore-rl: removed {removed} shared-memory file(s) ({format_bytes(freed)}) that "
@@ -175,7 +181,8 @@ def build_run(cfg: RLConfig, ctx: ParallelContext) -> RunState:
                                        log_file=Path(cfg.logging.dir) / "engine.log")
     sync = WeightSync.from_config([getattr(c, "module", c) for c in actor.model],
                                   actor_model.spec.arch, cfg.reshard,
-                                  engines=[rollout] if rollout else None,
+                                  engines=(engines if engines is not None else [rollout])
+                                  if rollout else None,
                                   controller=ctx.controller, group=ctx.world_group)
     train_records = load_prompt_records(cfg.data, "train")
     val_records = load_prompt_records(cfg.data, "val")

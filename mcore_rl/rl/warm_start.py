@@ -23,7 +23,7 @@ def warm_start_answer(meta: dict, rng: random.Random) -> str:
 
 
 def sft_batch(state, records, rng: random.Random) -> Batch:
-    prompt_ids, metas, _ = encode_prompts(state, records)
+    prompt_ids, metas, _ = encode_prompts(state.tokenizer, state.cfg, records)
     seqs, prompt_lens = [], []
     for ids, meta in zip(prompt_ids, metas):
         answer = state.tokenizer.encode(warm_start_answer(meta, rng)) + [state.tokenizer.eos_id]

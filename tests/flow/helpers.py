@@ -222,3 +222,56 @@ class LayoutReport:
         dist.all_reduce(total, group=self.ctx.tp_group)
         return {"x": x, "tp_sum": total.item(), "rank": self.ctx.rank,
                 "layout": str(self.ctx.layout)}
+
+
+def seed_roles():
+    """The RL roles with a log of what each call saw (imported late: they load torch)."""
+    from mcore_rl.api.roles import Generate, Train
+
+    class RecordingGenerate(Generate):
+        def __init__(self, log: str, *args):
+            super().__init__(*args)
+            self.log = log
+            write(log, event="engine", pid=os.getpid(), cores=sorted(os.sched_getaffinity(0)))
+
+        def __call__(self, prompts):
+            t = time.monotonic()
+            batch = super().__call__(prompts)
+            write(self.log, event="generate", pid=os.getpid(), t=t,
+                  item=prompts[0]["item"], versions=sorted(set(batch.meta["weight_version"])))
+            return batch
+
+    class RecordingTrain(Train):
+        def __init__(self, log: str, *args):
+            super().__init__(*args)
+            self.log = log
+
+        def __call__(self, batch):
+            metrics = super().__call__(batch)
+            if self.state.is_controller:
+                write(self.log, event="train", t=time.monotonic(),
+                      item=batch.meta["prompt_meta"][0]["item"], producer=batch.meta["producer"][0],
+                      generated_with=metrics["rollout/weight_version"],
+                      synced=metrics["weight_version"],
+                      gap=metrics["actor/engine_logprob_gap"], tp=str(self.state.ctx.layout))
+            return metrics
+
+    return RecordingGenerate, RecordingTrain
+
+
+def recording_generate(log, *args):
+    return seed_roles()[0](log, *args)
+
+
+def recording_train(log, *args):
+    return seed_roles()[1](log, *args)
+
+
+def digit_share(batch):
+    """A critic: the share of digits in each response (it varies between samples, so GRPO
+    has advantages to learn from even with an untrained model)."""
+    import torch
+
+    scores = [sum(c.isdigit() for c in text) / max(len(text), 1)
+              for text in batch.meta["response_text"]]
+    return batch.with_tensors(scores=torch.tensor(scores, dtype=torch.float32))

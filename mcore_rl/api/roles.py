@@ -1,0 +1,129 @@
+"""Controller functions of an RL dataflow: rollout, reward and trainer roles built from the
+same parts as ``mcore-rl train``.
+
+    cfg = config_to_dict(load_config("configs/quickstart.yaml", ["rollout.placement=separate"]))
+    rollout, scored = DataStream("rollout", 2), DataStream("scored", 2)
+    group = ControllerGroup()
+    for i in range(2):
+        group.add(Controller("actor", factory(Generate, cfg, model_dir, f"engine/{i}"),
+                             data_output=rollout, devices=[i]))
+    group.add(Controller("critic", factory(Score, cfg), data_input=rollout, data_output=scored))
+    group.add(Controller("trainer", factory(Train, cfg, model_dir, ["engine/0", "engine/1"]),
+                         data_input=scored, strategy=Megatron(tp=2)))
+    launch(group, data=prompt_batches, num_epochs=2)
+
+`Generate` owns an engine in its controller's process (pinned to the controller's
+devices) and publishes it; `Train` streams its weights into every engine it names after
+each update, so later rollouts carry the new weight version."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from mcore_rl.api.worker import prompt_records
+from mcore_rl.config import RLConfig
+from mcore_rl.data.batch import Batch
+
+
+def _config(cfg_data: dict) -> RLConfig:
+    from mcore_rl.config.loader import _build
+
+    return _build(RLConfig, cfg_data, "")
+
+
+class Generate:
+    """A rollout role: a list of prompts (texts, token ids or dicts with ``prompt`` and the
+    reward's fields) -> a rollout `Batch`, sampled by an engine of this process, published
+    as ``name`` for the trainer's weight sync."""
+
+    def __init__(self, cfg_data: dict, model_dir: str | Path, name: str):
+        from mcore_rl.data.tokenizer import load_tokenizer
+        from mcore_rl.engines import build_rollout_engine
+        from mcore_rl.flow import publish
+
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self.cfg = _config(cfg_data)
+        self.tokenizer = load_tokenizer(model_dir)
+        log_dir = Path(self.cfg.logging.dir)
+        self.engine = build_rollout_engine(
+            self.cfg.rollout, model_dir, dtype=self.cfg.model.dtype, seed=self.cfg.train.seed,
+            log_file=log_dir / f"{name.replace('/', '_')}.log")
+        self.lock = publish(name, self.engine)
+        self.calls = 0
+
+    def __call__(self, prompts: Sequence[Any]) -> Batch:
+        from mcore_rl.rl import phases
+
+        self.calls += 1
+        encoded = phases.encode_prompts(self.tokenizer, self.cfg, prompt_records(prompts))
+        with self.lock:  # a weight update waits for this generation, and the other way round
+            batch = phases.sample_batch(self.engine, self.tokenizer, self.cfg, encoded,
+                                        step=self.calls)
+        batch.meta["producer"] = [os.getpid()] * len(batch)
+        return batch
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class Score:
+    """A reward role: a rollout `Batch` -> the same batch with ``scores`` (the config's
+    reward function, one per response)."""
+
+    def __init__(self, cfg_data: dict):
+        from mcore_rl.rewards import REWARDS
+
+        self.cfg = _config(cfg_data)
+        self.reward_fn = REWARDS.get(self.cfg.reward.name)
+
+    def __call__(self, batch: Batch) -> Batch:
+        from mcore_rl.rewards import score_all
+
+        prompts = [m["prompt"] for m in batch.meta["prompt_meta"]]
+        scores = score_all(self.reward_fn, prompts, batch.meta["response_text"],
+                           batch.meta["prompt_meta"])
+        return batch.with_tensors(scores=scores)
+
+
+class Train:
+    """A trainer role for the Megatron strategy: a scored rollout `Batch` -> one RL step
+    (log-probs, KL, values, advantages, the update) and a weight sync into the engines
+    published as ``engines``; returns (and logs) the step's metrics with the weight
+    version the batch was generated with (``rollout/weight_version``) and the one synced
+    after it (``weight_version``). The initial weights are synced before the first step."""
+
+    def __init__(self, cfg_data: dict, model_dir: str | Path, engines: Sequence[str]):
+        from dataclasses import replace
+
+        from mcore_rl.flow import lookup, rank_context
+        from mcore_rl.rl import phases
+        from mcore_rl.rl.setup import build_run
+
+        cfg = _config(cfg_data)
+        # The engines belong to other controllers: no colocated hand-over (sleep/wake) from
+        # here; turns on shared devices are the dataflow's.
+        cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)),
+                      rollout=replace(cfg.rollout, placement="separate"))
+        ctx = rank_context()
+        remote = [lookup(name) for name in engines] if ctx.is_controller else []
+        self.state = build_run(cfg, ctx, engines=remote)
+        self.state.log.truncate_after(-1)
+        phases.sync_weights(self.state)
+
+    def __call__(self, batch: Batch) -> dict[str, float]:
+        from mcore_rl.rl import phases
+        from mcore_rl.trainer import PhaseTimer, learn
+
+        state = self.state
+        state.step += 1
+        batch = phases.with_scores(state, phases.mark_truncated(state.cfg, batch), batch["scores"])
+        generated_with = min(batch.meta["weight_version"])
+        metrics = learn(state, batch, PhaseTimer())
+        metrics |= {"rollout/weight_version": float(generated_with),
+                    "weight_version": float(state.weight_version)}
+        state.log.log(state.step, metrics, console=False)
+        return metrics
+
+    def close(self) -> None:
+        self.state.log.close()
