@@ -18,6 +18,7 @@ each update, so later rollouts carry the new weight version."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -91,7 +92,9 @@ class Train:
     (log-probs, KL, values, advantages, the update) and a weight sync into the engines
     published as ``engines``; returns (and logs) the step's metrics with the weight
     version the batch was generated with (``rollout/weight_version``) and the one synced
-    after it (``weight_version``). The initial weights are synced before the first step."""
+    after it (``weight_version``), and from the second step on ``time/batch_interval``, the
+    wall time since the previous step ended (the step time of a pipelined graph). The
+    initial weights are synced before the first step."""
 
     def __init__(self, cfg_data: dict, model_dir: str | Path, engines: Sequence[str]):
         from dataclasses import replace
@@ -110,6 +113,7 @@ class Train:
         self.state = build_run(cfg, ctx, engines=remote)
         self.state.log.truncate_after(-1)
         phases.sync_weights(self.state)
+        self.last_end: float | None = None
 
     def __call__(self, batch: Batch) -> dict[str, float]:
         from mcore_rl.rl import phases
@@ -122,6 +126,10 @@ class Train:
         metrics = learn(state, batch, PhaseTimer())
         metrics |= {"rollout/weight_version": float(generated_with),
                     "weight_version": float(state.weight_version)}
+        now = time.perf_counter()
+        if self.last_end is not None:  # under overlap, the wall time per trained batch
+            metrics["time/batch_interval"] = now - self.last_end
+        self.last_end = now
         state.log.log(state.step, metrics, console=False)
         return metrics
 

@@ -1,0 +1,93 @@
+"""The new runtime's side of `mcore-rl bench flow`, in a fresh process: ``python -m
+mcore_rl.benchmarks._flow_driver SPEC OUT``. SPEC (JSON): config, overrides, steps, mode
+(``api``: `RLTrainer` driven step by step from this process; ``graph``: a rollout ->
+reward -> trainer `launch`). OUT: per-step timings and the launch's stats."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def prompt_batches(cfg, steps: int) -> list[list[dict]]:
+    """The prompts ``mcore-rl train`` would take for ``steps`` steps, as API prompts."""
+    from mcore_rl.data.prompts import PromptStream, load_prompt_records
+
+    stream = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
+    return [[{"prompt": r.prompt, **r.meta} for r in stream.take(cfg.data.prompts_per_step)]
+            for _ in range(steps)]
+
+
+def run_api(cfg, steps: int) -> dict:
+    from mcore_rl import RLTrainer
+    from mcore_rl.rewards import REWARDS, score_all
+
+    reward = REWARDS.get(cfg.reward.name)
+    out = []
+    with RLTrainer(config=cfg) as trainer:
+        for prompts in prompt_batches(cfg, steps):
+            t0 = time.perf_counter()
+            rollouts = trainer.sample(prompts)
+            t1 = time.perf_counter()
+            rollouts["reward"] = score_all(reward, rollouts["prompt"], rollouts["response"],
+                                           [{"prompt": p, **m} for p, m in
+                                            zip(rollouts["prompt"], rollouts["meta"])])
+            t2 = time.perf_counter()
+            metrics = trainer.update(rollouts)
+            t3 = time.perf_counter()
+            out.append({"step": t3 - t0, "sample": t1 - t0, "score": t2 - t1, "update": t3 - t2,
+                        "update_in_ranks": metrics["time/step"], "tokens": metrics["perf/tokens"]})
+    return {"steps": out}
+
+
+def run_graph(cfg, steps: int) -> dict:
+    from dataclasses import replace
+
+    from mcore_rl.api.roles import Generate, Score, Train
+    from mcore_rl.config.loader import config_to_dict
+    from mcore_rl.data.toy_task import toy_tokenizer
+    from mcore_rl.flow import Controller, ControllerGroup, DataStream, Megatron, factory, launch
+    from mcore_rl.models.random_init import write_random_llama
+
+    model_dir = Path(cfg.logging.dir) / "initial_model"
+    if cfg.model.path:
+        from mcore_rl.models.builtin import resolve_model_path
+
+        model_dir = resolve_model_path(cfg.model.path)
+    else:
+        tok = toy_tokenizer()
+        write_random_llama(cfg.model, model_dir, tok.vocab_size, tok.bos_id, tok.eos_id,
+                           tok.pad_id, seed=cfg.train.seed)
+        tok.save(model_dir)
+    cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
+    data = config_to_dict(cfg)
+    p = cfg.parallel
+    rollout, scored = DataStream("rollout", 1), DataStream("scored", 1)
+    group = ControllerGroup([
+        Controller("rollout", factory(Generate, data, str(model_dir), "engine/0"),
+                   data_output=rollout),
+        Controller("reward", factory(Score, data), data_input=rollout, data_output=scored),
+        Controller("trainer", factory(Train, data, str(model_dir), ["engine/0"]),
+                   data_input=scored, strategy=Megatron(tp=p.tp, pp=p.pp, seed=cfg.train.seed,
+                                                        threads_per_rank=p.cpu_threads_per_rank))])
+    stats = launch(group, data=prompt_batches(cfg, steps))
+    history = [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl")
+               .read_text().splitlines()]
+    steps_out = [{"step": h["time/batch_interval"], "tokens": h["perf/tokens"],
+                  "update": h["time/update"]} for h in history if "time/batch_interval" in h]
+    return {"steps": steps_out, "roles": {r: s.as_dict() for r, s in stats.roles.items()},
+            "table": stats.table()}
+
+
+def main() -> None:
+    from mcore_rl.config import load_config
+
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    cfg = load_config(spec["config"], spec["overrides"])
+    result = (run_api if spec["mode"] == "api" else run_graph)(cfg, spec["steps"])
+    Path(sys.argv[2]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""`mcore-rl bench flow`: what the Ray runtime costs an RL step, against today's loop.
+
+In one run, on the same config, prompts, reward and threads, each in a fresh process:
+
+- **baseline**: ``mcore-rl train`` (one SPMD program over the trainer's ranks, the engine
+  beside rank 0), its per-step ``time/step``;
+- **api**: the same steps driven from a script through `RLTrainer` (ranks are Ray actors;
+  each step is a ``sample`` call, the reward on the driver, an ``update`` call), timed on
+  the driver: what a step costs through the runtime, object store and driver included;
+- **graph**: a rollout -> reward -> trainer `launch` (the engine in the rollout controller,
+  the weight sync into it through a published proxy, streams of one item), its wall time
+  per trained batch in steady state, and the launch's blocked times per role. Generation of
+  the next batch overlaps the update here, so this is a pipelined schedule (one step off
+  policy), not the synchronous one.
+
+Figures are medians over the steps after ``--warmup``. ``--quick``: few steps (for tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mcore_rl.benchmarks._common import machine_info, rounded, time_comparison, write_json
+from mcore_rl.benchmarks.train import REPO, _config_path, our_overrides, run_ours
+from mcore_rl.errors import UsageError
+
+
+def _log(msg: str) -> None:
+    print(f"[bench flow] {msg}", flush=True)
+
+
+def run_driver(mode: str, config: Path, overrides: list[str], steps: int, work: Path) -> dict:
+    spec, out = work / f"{mode}_spec.json", work / f"{mode}_out.json"
+    spec.write_text(json.dumps({"config": str(config), "overrides": overrides, "steps": steps,
+                                "mode": mode}))
+    proc = subprocess.run([sys.executable, "-m", "mcore_rl.benchmarks._flow_driver", str(spec),
+                           str(out)], capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {mode} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def _median(steps: list[dict], key: str) -> float:
+    return statistics.median(s[key] for s in steps)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mcore-rl bench flow", description=__doc__.splitlines()[0])
+    p.add_argument("--json", required=True, help="output JSON path")
+    p.add_argument("--config", default="configs/quickstart.yaml")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads in all per run")
+    p.add_argument("--quick", action="store_true", help="4 steps, 1 warm-up (for tests)")
+    args = p.parse_args(argv)
+    steps, warmup = (4, 1) if args.quick else (args.steps, args.warmup)
+    if steps <= warmup + 1:
+        raise UsageError(f"--steps {steps} leaves too few steps after --warmup {warmup}; "
+                         f"give at least {warmup + 2}")
+    from mcore_rl.config import load_config
+
+    config = _config_path(args.config)
+    report: dict = {"machine": machine_info(), "config": args.config, "steps": steps,
+                    "warmup": warmup}
+    with tempfile.TemporaryDirectory(prefix="mcore-rl-bench-flow-") as tmp:
+        work = Path(tmp)
+        runs = {}
+        for mode in ("baseline", "api", "graph"):
+            overrides = our_overrides(load_config(str(config)), steps, work / mode,
+                                      args.threads, "fp32")
+            _log(f"{mode}: {steps} steps")
+            if mode == "baseline":
+                runs[mode] = {"steps": run_ours(config, overrides, work / mode)}
+            else:
+                runs[mode] = run_driver(mode, config, overrides, steps, work)
+    base, api = runs["baseline"]["steps"][warmup:], runs["api"]["steps"][warmup:]
+    graph_warm = runs["graph"]["steps"][max(0, warmup - 1):]  # intervals start at step 2
+    report["step_time"] = {
+        "api_vs_loop": time_comparison(_median(api, "step"), _median(base, "step")),
+        "graph_vs_loop": time_comparison(_median(graph_warm, "step"), _median(base, "step")),
+    }
+    # What an update call costs beyond its phases in the ranks: the Ray calls, the batch
+    # through the object store, the driver.
+    report["api_update_call_overhead_s"] = _median(api, "update") - _median(api, "update_in_ranks")
+    report["tokens_per_step"] = {m: _median(runs[m]["steps"], "tokens") for m in runs}
+    report["steps_measured"] = {"baseline": len(base), "api": len(api), "graph": len(graph_warm)}
+    report["api_phases_s"] = {k: _median(api, k) for k in ("sample", "score", "update")}
+    report["graph_roles"] = runs["graph"]["roles"]
+    report["graph_table"] = runs["graph"]["table"]
+    out = write_json(args.json, rounded(report))
+    _log(f"step time: loop {_median(base, 'step'):.3f} s, api {_median(api, 'step'):.3f} s, "
+         f"graph {_median(graph_warm, 'step'):.3f} s per trained batch; {out}")
+    print(runs["graph"]["table"], flush=True)
+    return 0

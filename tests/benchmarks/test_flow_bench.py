@@ -1,0 +1,34 @@
+"""`mcore-rl bench flow` runs the same RL steps through today's loop, through `RLTrainer`
+and as a rollout -> reward -> trainer graph, and compares their step times."""
+import json
+
+import pytest
+
+from mcore_rl.cli.main import main
+from mcore_rl.config import load_config
+
+
+def test_quick_bench_runs_the_same_steps_three_ways_and_compares_them(tmp_path, capsys):
+    out = tmp_path / "flow.json"
+    assert main(["bench", "flow", "--json", str(out), "--quick"]) == 0
+    report = json.loads(out.read_text())
+    cfg = load_config("configs/quickstart.yaml", [])
+    responses = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    tokens = responses * (1 + 4 + cfg.rollout.max_new_tokens)  # <bos> "a+b=" + fixed-length answers
+    assert report["tokens_per_step"] == {"baseline": tokens, "api": tokens, "graph": tokens}
+    assert report["steps_measured"] == {"baseline": 3, "api": 3, "graph": 3}
+    for name in ("api_vs_loop", "graph_vs_loop"):
+        c = report["step_time"][name]
+        assert c["unit"] == "s" and c["ours"] > 0 and c["baseline"] > 0
+        assert c["speedup"] == pytest.approx(c["baseline"] / c["ours"], rel=2e-3)
+    roles = report["graph_roles"]
+    assert roles["rollout"]["items_out"] == roles["reward"]["items_in"] == 4
+    assert roles["trainer"]["items_in"] == roles["trainer"]["calls"] == 4
+    assert report["api_phases_s"]["update"] > report["api_update_call_overhead_s"] >= 0
+    assert "trainer" in capsys.readouterr().out
+
+
+def test_too_few_steps_is_one_line_with_exit_2(tmp_path, capsys):
+    assert main(["bench", "flow", "--json", str(tmp_path / "x.json"), "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steps 2 leaves too few steps after --warmup 2" in err[0]
