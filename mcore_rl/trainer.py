@@ -70,8 +70,12 @@ def train(cfg: RLConfig, ctx: ParallelContext, stop=None) -> RunState:
 
 def run_step(state: RunState, stop) -> None:
     """One RL step and what follows it: validation, logs, samples, checkpoint, stop check."""
+    after_step(state, rl_step(state), stop)
+
+
+def after_step(state: RunState, metrics: dict[str, float], stop) -> None:
+    """What follows a step's update: validation, logs, samples, checkpoint, stop check."""
     cfg = state.cfg
-    metrics = rl_step(state)
     if state.validates and (state.step % cfg.train.val_every == 0 or state.step == cfg.train.steps):
         metrics["val/score"] = validation_score(state)
     state.log.log(state.step, metrics, console=state.step % cfg.logging.log_every == 0)
@@ -135,8 +139,8 @@ def sample_rows(batch, limit: int = 8) -> list[dict]:
                                batch["scores"][:limit].tolist())]
 
 
-def finish(state: RunState) -> None:
-    """Summary line, reward-curve PNG, engines closed."""
+def finish(state: RunState, close_engine: bool = True) -> None:
+    """Summary line, reward-curve PNG, the engine closed (unless another process owns it)."""
     from mcore_rl.metrics_log import plot_reward_curve
 
     if state.is_controller:
@@ -149,7 +153,8 @@ def finish(state: RunState) -> None:
             print(f"mcore-rl: {state.step} steps; validation score {vals[0]:.2f} -> {vals[-1]:.2f}; "
                   f"train reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; metrics "
                   f"{state.log.dir / 'metrics.jsonl'}; plot {plot}", flush=True)
-        state.rollout.close()
+        if close_engine:
+            state.rollout.close()
 
 
 class PhaseTimer:

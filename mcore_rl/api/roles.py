@@ -53,15 +53,20 @@ class Generate:
         self.lock = publish(name, self.engine)
         self.calls = 0
 
-    def __call__(self, prompts: Sequence[Any]) -> Batch:
+    def __call__(self, item: Sequence[Any] | dict) -> Batch:
+        """``item``: the prompts, or ``{"step": k, "prompts": [...]}`` (``k`` seeds the
+        sampling as step ``k`` of ``mcore-rl train`` does; default: this call's number)."""
         from mcore_rl.rl import phases
 
         self.calls += 1
-        encoded = phases.encode_prompts(self.tokenizer, self.cfg, prompt_records(prompts))
+        step, prompts = (item["step"], item["prompts"]) if isinstance(item, dict) else \
+            (self.calls, item)
+        records = prompt_records(prompts)
+        encoded = phases.encode_prompts(self.tokenizer, self.cfg, records)
         with self.lock:  # a weight update waits for this generation, and the other way round
-            batch = phases.sample_batch(self.engine, self.tokenizer, self.cfg, encoded,
-                                        step=self.calls)
+            batch = phases.sample_batch(self.engine, self.tokenizer, self.cfg, encoded, step=step)
         batch.meta["producer"] = [os.getpid()] * len(batch)
+        batch.info["prompts"] = len(records)
         return batch
 
     def close(self) -> None:
@@ -89,19 +94,26 @@ class Score:
 
 class Train:
     """A trainer role for the Megatron strategy: a scored rollout `Batch` -> one RL step
-    (log-probs, KL, values, advantages, the update) and a weight sync into the engines
-    published as ``engines``; returns (and logs) the step's metrics with the weight
-    version the batch was generated with (``rollout/weight_version``) and the one synced
-    after it (``weight_version``), and from the second step on ``time/batch_interval``, the
-    wall time since the previous step ended (the step time of a pipelined graph). The
-    initial weights are synced before the first step."""
+    (log-probs, KL, values, advantages, the update), a weight sync into the engines
+    published as ``engines``, and what follows a step of ``mcore-rl train``: validation
+    every ``train.val_every`` steps (greedy, on the first engine), logs, samples and
+    checkpoints. Before the first step it resumes or warm-starts as ``mcore-rl train``
+    does (`resume_or_warm_start`), then, with ``initial_sync``, syncs the weights if
+    nothing did yet (engines built elsewhere may hold other weights).
 
-    def __init__(self, cfg_data: dict, model_dir: str | Path, engines: Sequence[str]):
+    Each step's metrics (returned and logged) carry the weight version the batch was
+    generated with (``rollout/weight_version``), the one synced after it
+    (``weight_version``) and, from the second step on, ``time/batch_interval``: the wall
+    time since the previous step ended (the step time of a pipelined graph)."""
+
+    def __init__(self, cfg_data: dict, model_dir: str | Path, engines: Sequence[str],
+                 initial_sync: bool = True):
         from dataclasses import replace
 
         from mcore_rl.flow import lookup, rank_context
         from mcore_rl.rl import phases
         from mcore_rl.rl.setup import build_run
+        from mcore_rl.trainer import resume_or_warm_start
 
         cfg = _config(cfg_data)
         # The engines belong to other controllers: no colocated hand-over (sleep/wake) from
@@ -111,27 +123,31 @@ class Train:
         ctx = rank_context()
         remote = [lookup(name) for name in engines] if ctx.is_controller else []
         self.state = build_run(cfg, ctx, engines=remote)
-        self.state.log.truncate_after(-1)
-        phases.sync_weights(self.state)
+        resume_or_warm_start(self.state)
+        if initial_sync and self.state.weight_version == 0:
+            phases.sync_weights(self.state)
         self.last_end: float | None = None
 
     def __call__(self, batch: Batch) -> dict[str, float]:
         from mcore_rl.rl import phases
-        from mcore_rl.trainer import PhaseTimer, learn
+        from mcore_rl.trainer import PhaseTimer, after_step, learn
 
         state = self.state
         state.step += 1
+        state.prompts.position += batch.info.get("prompts", 0)  # what a checkpoint records
         batch = phases.with_scores(state, phases.mark_truncated(state.cfg, batch), batch["scores"])
         generated_with = min(batch.meta["weight_version"])
         metrics = learn(state, batch, PhaseTimer())
         metrics |= {"rollout/weight_version": float(generated_with),
                     "weight_version": float(state.weight_version)}
         now = time.perf_counter()
-        if self.last_end is not None:  # under overlap, the wall time per trained batch
+        if self.last_end is not None:
             metrics["time/batch_interval"] = now - self.last_end
         self.last_end = now
-        state.log.log(state.step, metrics, console=False)
+        after_step(state, metrics, stop=None)
         return metrics
 
     def close(self) -> None:
-        self.state.log.close()
+        from mcore_rl.trainer import finish
+
+        finish(self.state, close_engine=False)

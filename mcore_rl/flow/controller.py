@@ -80,6 +80,8 @@ class ControllerProcess:
             if spec.counts_steps and not ray.get(hub.take_step.remote()):
                 break
             result = self._call(item, hub, stats)
+            if spec.reports_done:
+                ray.get(hub.sink_done.remote())
             if result is None or spec.output is None:
                 continue
             t = time.perf_counter()

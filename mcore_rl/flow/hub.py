@@ -99,6 +99,10 @@ class Hub:
         self.turns = DeviceTurns()
         self.steps = steps
         self.steps_taken = 0
+        self.done = 0
+        self.stopping = False
+        """Finished calls of the sinks (a launch with ``max_in_flight`` counts them)."""
+        self.done_changed = asyncio.Condition()
         self.services: dict[str, list] = {}
         """name -> [the actor handle of the process that published it] (`flow.publish`)."""
 
@@ -132,10 +136,24 @@ class Hub:
     async def cancel(self) -> None:
         for stream in self.streams.values():
             await stream.cancel()
+        async with self.done_changed:
+            self.stopping = True
+            self.done_changed.notify_all()
 
     async def peek(self, stream: str) -> list[list]:
         """What waits in ``stream`` (boxed object references), left in place: for inspection."""
         return list(self.streams[stream].items)
+
+    async def sink_done(self) -> None:
+        async with self.done_changed:
+            self.done += 1
+            self.done_changed.notify_all()
+
+    async def wait_done(self, n: int) -> bool:
+        """Wait until ``n`` sink calls have finished; False if the launch is stopping."""
+        async with self.done_changed:
+            await self.done_changed.wait_for(lambda: self.done >= n or self.stopping)
+            return self.done >= n
 
     async def publish(self, name: str, boxed_handle: list) -> None:
         if name in self.services:

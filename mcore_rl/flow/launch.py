@@ -40,7 +40,8 @@ class FlowError(RuntimeError):
 
 def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
            num_epochs: int | None = None, steps: int | None = None,
-           address: str | None = None, feed_buffer: int | None = None) -> FlowStats:
+           address: str | None = None, feed_buffer: int | None = None,
+           max_in_flight: int | None = None) -> FlowStats:
     """Run ``group`` to the end and return its stats.
 
     ``data`` feeds the source controllers (no ``data_input``), each item to one source
@@ -49,7 +50,10 @@ def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
     ``data_output``); with ``steps`` and no ``num_epochs`` the data repeats until then.
     Ray: joins the running one, else ``ray.init(address=address)`` (a local cluster when
     None), shut down again at the end. ``feed_buffer``: items of ``data`` waiting for the
-    sources (default two per source)."""
+    sources (default two per source). ``max_in_flight``: at most this many items of
+    ``data`` are fed and not yet finished by the sinks (each item one sink call): 1 runs
+    the graph one item at a time (a synchronous RL step), K lets the sources run K - 1
+    items ahead."""
     ray = ray_shim.require()
     if steps is None and num_epochs is None:
         num_epochs = 1
@@ -58,22 +62,22 @@ def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
     if data is not None and iter(data) is data and num_epochs not in (None, 1):
         raise UsageError(f"num_epochs={num_epochs} reads data again, but it is a one-shot "
                          "iterator: give a list or another re-iterable")
-    plan = build_plan(group, data is not None, steps, feed_buffer)
+    plan = build_plan(group, data is not None, steps, feed_buffer, max_in_flight)
     for spec in plan.instances:
         if isinstance(spec.strategy, str):
             STRATEGIES.entry(spec.strategy)  # an unknown name fails here, before Ray starts
     if ray.is_initialized():
-        return _Launch(plan, steps).execute(data, num_epochs)
+        return _Launch(plan, steps, max_in_flight).execute(data, num_epochs)
     with ray_shim.local_ray(address=address, include_dashboard=False):
-        return _Launch(plan, steps).execute(data, num_epochs)
+        return _Launch(plan, steps, max_in_flight).execute(data, num_epochs)
 
 
 class _Launch:
     """The actors of one launch and the driver's side of it."""
 
-    def __init__(self, plan: Plan, steps: int | None):
+    def __init__(self, plan: Plan, steps: int | None, max_in_flight: int | None = None):
         self.ray = ray_shim.require()
-        self.plan, self.steps = plan, steps
+        self.plan, self.steps, self.max_in_flight = plan, steps, max_in_flight
         self.hub: Any = None
         self.actors: list = []
         self.processes: list[tuple[str, int]] = []
@@ -126,14 +130,18 @@ class _Launch:
     def _feed(self, data: Iterable[Any], num_epochs: int | None) -> None:
         ray = self.ray
         try:
-            epoch, one_shot = 0, iter(data) is data
+            epoch, one_shot, total = 0, iter(data) is data, 0
             while num_epochs is None or epoch < num_epochs:
                 fed = 0
                 for item in data:
+                    if self.max_in_flight is not None and total >= self.max_in_flight and \
+                            not ray.get(self.hub.wait_done.remote(total - self.max_in_flight + 1)):
+                        return
                     if self.stopping.is_set() or not ray.get(
                             self.hub.put.remote(FEED, [ray.put(item)])):
                         return
                     fed += 1
+                    total += 1
                 epoch += 1
                 if one_shot or not fed:
                     break

@@ -32,6 +32,8 @@ class InstanceSpec:
     """Another instance shares one of its devices: each call waits for a turn on them."""
     counts_steps: bool
     """A sink of a launch with ``steps``: each call takes one step of the budget first."""
+    reports_done: bool = False
+    """A sink of a launch with ``max_in_flight``: each finished call is reported to the hub."""
 
     @property
     def name(self) -> str:
@@ -46,7 +48,7 @@ class Plan:
 
 
 def build_plan(group: ControllerGroup, has_data: bool, steps: int | None,
-               feed_buffer: int | None = None) -> Plan:
+               feed_buffer: int | None = None, max_in_flight: int | None = None) -> Plan:
     """Check the graph (one-line `UsageError` naming the problem) and lay out its instances."""
     controllers = group.controllers
     if not controllers:
@@ -75,6 +77,8 @@ def build_plan(group: ControllerGroup, has_data: bool, steps: int | None,
         raise UsageError("launch was given data but no controller is a source (no data_input)")
     if steps is not None and steps < 1:
         raise UsageError(f"steps must be >= 1, got {steps}")
+    if max_in_flight is not None and (max_in_flight < 1 or not has_data):
+        raise UsageError(f"max_in_flight={max_in_flight}: give a number >= 1, and data= to pace")
     if steps is None and _has_cycle(controllers):
         raise UsageError("the graph has a cycle, so its streams never end: give launch steps=")
 
@@ -88,7 +92,8 @@ def build_plan(group: ControllerGroup, has_data: bool, steps: int | None,
             input=c.data_input.name if c.data_input is not None else FEED,
             output=c.data_output.name if c.data_output is not None else None,
             takes_turns=any(device_users[d] > 1 for d in (c.devices or ())),
-            counts_steps=steps is not None and c.is_sink))
+            counts_steps=steps is not None and c.is_sink,
+            reports_done=max_in_flight is not None and c.is_sink))
         indices[c.role] += 1
     table = {name: (s.buffer_size, producers[name]) for name, s in streams.items()}
     if sources:

@@ -82,18 +82,26 @@ def prepare_model_dir(cfg: RLConfig, ctx: ParallelContext) -> Path:
             resolve_model_path(cfg.model.path)
         ctx.barrier()
         return resolve_model_path(cfg.model.path)
+    if ctx.is_controller:
+        write_initial_model(cfg)
+    ctx.barrier()
+    return initial_model_path(cfg)
+
+
+def write_initial_model(cfg: RLConfig) -> Path:
+    """The random tiny Llama (and the built-in task's tokenizer) of a run without
+    ``model.path``, written once (temporary directory, then rename)."""
     from mcore_rl.data.toy_task import toy_tokenizer
     from mcore_rl.models.random_init import write_random_llama
 
     out = initial_model_path(cfg)
-    if ctx.is_controller and not (out / "config.json").exists():
+    if not (out / "config.json").exists():
         tok = toy_tokenizer()
         tmp = out.with_name(out.name + ".tmp")
         write_random_llama(cfg.model, tmp, tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id,
                            seed=cfg.train.seed)
         tok.save(tmp)
         tmp.rename(out)
-    ctx.barrier()
     return out
 
 

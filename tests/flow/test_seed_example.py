@@ -32,7 +32,8 @@ def test_two_engines_a_critic_and_a_tp2_trainer_run_as_one_graph(ray_cluster, tm
     log = str(tmp_path / "log.jsonl")
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [
         f"logging.dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt", "parallel.tp=2",
-        "rollout.n_samples_per_prompt=4", "optimizer.lr=1e-2", "reshard.verify=false"])
+        "rollout.n_samples_per_prompt=4", "optimizer.lr=1e-2", "reshard.verify=false",
+        "train.warm_start_steps=0", "train.val_every=0", "checkpoint.save_every=0"])
     model_dir = tiny_model(cfg, tmp_path / "model")
     data = config_to_dict(cfg)
     rollout, scored = DataStream("rollout", buffer_size=1), DataStream("scored", buffer_size=1)

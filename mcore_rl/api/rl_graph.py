@@ -1,0 +1,89 @@
+"""The RL loop of ``mcore-rl train`` as a dataflow graph: a rollout controller (the engine)
+-> a reward controller -> a trainer controller (the Megatron ranks), with the weight sync
+from the trainer into the engine after every update.
+
+    stats = run_rl_graph(load_config("configs/quickstart.yaml"))
+
+``max_in_flight=1`` (the default) is the synchronous schedule: the next step's prompts
+enter the graph only once the trainer has finished the step before, so it computes what
+the SPMD loop computes, step for step (``tests/api/test_rl_graph.py`` replays the golden
+runs through it). A larger bound lets generation run ahead of the update."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+from mcore_rl.api.roles import Generate, Score, Train
+from mcore_rl.config import RLConfig
+from mcore_rl.config.loader import config_to_dict
+
+
+def model_dir_for(cfg: RLConfig) -> Path:
+    """The HF directory the run starts from (``model.path``, or the random tiny model)."""
+    if cfg.model.path:
+        from mcore_rl.models.builtin import resolve_model_path
+
+        return resolve_model_path(cfg.model.path)
+    from mcore_rl.rl.setup import write_initial_model
+
+    return write_initial_model(cfg)
+
+
+def resume_point(cfg: RLConfig) -> tuple[int, int]:
+    """(step, data position) the run continues from: those of the checkpoint that
+    ``checkpoint.resume`` selects, or (0, 0)."""
+    from mcore_rl.rl.setup import trained_parts
+    from mcore_rl.train.run_checkpoints import RunCheckpoints
+
+    path = RunCheckpoints.for_config(cfg).resolve_resume(cfg.checkpoint.resume, trained_parts(cfg),
+                                                         cfg.logging.dir).path
+    if path is None:
+        return 0, 0
+    run = json.loads((Path(path) / "run_state.json").read_text())
+    return run["step"], run["data_position"]
+
+
+def prompt_items(cfg: RLConfig, start_step: int, position: int) -> Iterator[dict]:
+    """One item per step to go: ``{"step", "prompts"}``, from the config's prompt source in
+    the order ``mcore-rl train`` takes them."""
+    from mcore_rl.data.prompts import PromptStream, load_prompt_records
+
+    stream = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
+    stream.position = position
+    for step in range(start_step + 1, cfg.train.steps + 1):
+        records = stream.take(cfg.data.prompts_per_step)
+        yield {"step": step, "prompts": [{"prompt": r.prompt, **r.meta} for r in records]}
+
+
+def rl_graph(cfg: RLConfig, model_dir: Path, buffer_size: int = 1):
+    """The `ControllerGroup` of the RL loop for ``cfg`` (ranks: ``parallel.tp * pp * dp``)."""
+    from mcore_rl.flow import Controller, ControllerGroup, DataStream, Megatron, factory
+
+    data = config_to_dict(cfg)
+    p = cfg.parallel
+    rollout = DataStream("rollout", buffer_size)
+    scored = DataStream("scored", buffer_size)
+    world = (p.dp or 1) * p.tp * p.pp
+    return ControllerGroup([
+        Controller("rollout", factory(Generate, data, str(model_dir), "engine/0"),
+                   data_output=rollout),
+        Controller("reward", factory(Score, data), data_input=rollout, data_output=scored),
+        Controller("trainer", factory(Train, data, str(model_dir), ["engine/0"], False),
+                   data_input=scored,
+                   strategy=Megatron(tp=p.tp, pp=p.pp, dp=world // (p.tp * p.pp), vpp=p.vpp,
+                                     seed=cfg.train.seed, threads_per_rank=p.cpu_threads_per_rank,
+                                     backend=p.backend)),
+    ])
+
+
+def run_rl_graph(cfg: RLConfig, max_in_flight: int = 1, address: str | None = None):
+    """Run ``cfg``'s RL job as the graph; its `FlowStats`."""
+    from mcore_rl.flow import launch
+
+    model_dir = model_dir_for(cfg)
+    cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
+    step, position = resume_point(cfg)
+    return launch(rl_graph(cfg, model_dir), data=prompt_items(cfg, step, position),
+                  max_in_flight=max_in_flight, address=address)

@@ -1,0 +1,29 @@
+"""The RL loop as a dataflow graph (rollout -> reward -> trainer controllers, synchronous
+schedule) computes what the SPMD loop computes: it replays the golden runs to round-off."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mcore_rl.api.rl_graph import run_rl_graph
+from mcore_rl.config import load_config, validate_config
+from tests.rl.golden.runs import BASE, HERE, REPO, RUNS, comparable
+from tests.rl.test_golden_runs import _mismatches
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_graph_replays_the_golden_run(tmp_path, name):
+    size, overrides = RUNS[name]
+    cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml",
+                                      BASE + overrides + [f"logging.dir={tmp_path}"]), size)
+    stats = run_rl_graph(cfg)
+    assert [stats.roles[r].calls for r in ("rollout", "reward", "trainer")] == [3, 3, 3]
+    history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    expected = json.loads((HERE / f"{name}.json").read_text())
+    problems = _mismatches(expected, comparable(history))
+    assert not problems, "\n".join(problems[:20])
+    # one step at a time: the rollout of step k+1 was generated with the weights of step k
+    assert [h["rollout/weight_version"] for h in history if "rollout/weight_version" in h] == \
+        [h["weight_version"] - 1 for h in history if "weight_version" in h]
