@@ -232,7 +232,11 @@ def seed_roles():
         def __init__(self, log: str, *args):
             super().__init__(*args)
             self.log = log
-            write(log, event="engine", pid=os.getpid(), cores=sorted(os.sched_getaffinity(0)))
+            import psutil
+
+            children = [c.pid for c in psutil.Process().children(recursive=True)]
+            write(log, event="engine", pid=os.getpid(), cores=sorted(os.sched_getaffinity(0)),
+                  children=children)
 
         def __call__(self, prompts):
             t = time.monotonic()
@@ -245,6 +249,7 @@ def seed_roles():
         def __init__(self, log: str, *args):
             super().__init__(*args)
             self.log = log
+            write(log, event="rank", pid=os.getpid())
 
         def __call__(self, batch):
             metrics = super().__call__(batch)
@@ -265,6 +270,15 @@ def recording_generate(log, *args):
 
 def recording_train(log, *args):
     return seed_roles()[1](log, *args)
+
+
+def digit_share_failing_at_2(batch):
+    """`digit_share` that raises on its second item."""
+    global _scored
+    _scored = globals().get("_scored", 0) + 1
+    if _scored == 2:
+        raise ValueError("the critic failed on purpose")
+    return digit_share(batch)
 
 
 def digit_share(batch):

@@ -5,11 +5,15 @@ every update."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+
+import pytest
 
 from mcore_rl.config import load_config
 from mcore_rl.config.loader import config_to_dict
-from mcore_rl.flow import Controller, ControllerGroup, DataStream, Megatron, factory, launch
+from mcore_rl.flow import (Controller, ControllerGroup, DataStream, FlowError, Megatron, factory,
+                           launch)
 from tests.flow import helpers
 from tests.flow.conftest import CORES
 
@@ -28,12 +32,16 @@ def tiny_model(cfg, out: Path) -> Path:
     return out
 
 
-def test_two_engines_a_critic_and_a_tp2_trainer_run_as_one_graph(ray_cluster, tmp_path):
-    log = str(tmp_path / "log.jsonl")
-    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
+def seed_config(tmp_path: Path):
+    return load_config(REPO / "configs" / "quickstart.yaml", [
         f"logging.dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt", "parallel.tp=2",
         "rollout.n_samples_per_prompt=4", "optimizer.lr=1e-2", "reshard.verify=false",
         "train.warm_start_steps=0", "train.val_every=0", "checkpoint.save_every=0"])
+
+
+def seed_graph(tmp_path: Path, log: str, critic=helpers.digit_share) -> ControllerGroup:
+    """Two vLLM actors on disjoint cores -> a critic -> a TP2 trainer."""
+    cfg = seed_config(tmp_path)
     model_dir = tiny_model(cfg, tmp_path / "model")
     data = config_to_dict(cfg)
     rollout, scored = DataStream("rollout", buffer_size=1), DataStream("scored", buffer_size=1)
@@ -43,14 +51,21 @@ def test_two_engines_a_critic_and_a_tp2_trainer_run_as_one_graph(ray_cluster, tm
         group.add(Controller(role="actor", data_output=rollout, devices=cores[i],
                              function=factory(helpers.recording_generate, log, data,
                                               str(model_dir), f"engine/{i}")))
-    group.add(Controller(role="critic", data_input=rollout, data_output=scored,
-                         function=helpers.digit_share))
+    group.add(Controller(role="critic", data_input=rollout, data_output=scored, function=critic))
     group.add(Controller(role="trainer", data_input=scored, strategy=Megatron(tp=2),
                          function=factory(helpers.recording_train, log, data, str(model_dir),
                                           ["engine/0", "engine/1"])))
-    prompts = [[{"prompt": f"{k % 10}+{(3 * k) % 10}=", "item": k},
-                {"prompt": f"{(7 * k) % 10}+1=", "item": k}] for k in range(ITEMS)]
-    stats = launch(group, data=prompts, num_epochs=1)
+    return group
+
+
+def prompt_items() -> list[list[dict]]:
+    return [[{"prompt": f"{k % 10}+{(3 * k) % 10}=", "item": k},
+             {"prompt": f"{(7 * k) % 10}+1=", "item": k}] for k in range(ITEMS)]
+
+
+def test_two_engines_a_critic_and_a_tp2_trainer_run_as_one_graph(ray_cluster, tmp_path):
+    log = str(tmp_path / "log.jsonl")
+    stats = launch(seed_graph(tmp_path, log), data=prompt_items(), num_epochs=1)
 
     records = helpers.read(log)
     engines = {r["pid"]: r["cores"] for r in records if r["event"] == "engine"}
@@ -77,3 +92,22 @@ def test_two_engines_a_critic_and_a_tp2_trainer_run_as_one_graph(ray_cluster, tm
     assert trained[0]["tp"].startswith("TP2")
     assert not [p for p in engines if helpers.alive(p)]
     assert os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_a_failing_critic_ends_the_launch_and_no_engine_process_survives(ray_cluster, tmp_path):
+    log = str(tmp_path / "log.jsonl")
+    with pytest.raises(FlowError) as caught:
+        launch(seed_graph(tmp_path, log, critic=helpers.digit_share_failing_at_2),
+               data=prompt_items())
+    assert "controller 'critic' #0 failed" in str(caught.value).splitlines()[0]
+    assert "the critic failed on purpose" in str(caught.value).splitlines()[0]
+    records = helpers.read(log)
+    engines = [r for r in records if r["event"] == "engine"]
+    ranks = [r["pid"] for r in records if r["event"] == "rank"]
+    pids = [p for r in engines for p in [r["pid"], *r["children"]]] + ranks
+    assert len(engines) == 2 and len(ranks) == 2
+    assert all(r["children"] for r in engines)  # vLLM's engine core (and what it started)
+    deadline = time.monotonic() + 10.0
+    while any(helpers.alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in pids if helpers.alive(p)] == []
