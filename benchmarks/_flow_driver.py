@@ -80,12 +80,42 @@ def run_graph(cfg, steps: int) -> dict:
             "table": stats.table()}
 
 
+def loop_rank(cfg_data: dict) -> None:
+    """One rank of the SPMD loop (spawned by `run_ranks`)."""
+    from mcore_rl.config import RLConfig
+    from mcore_rl.config.loader import _build
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.trainer import train
+
+    cfg = _build(RLConfig, cfg_data, "")
+    ctx = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
+    train(cfg, ctx)
+    destroy_parallel(keep_process_group=False)
+
+
+def run_loop(cfg, steps: int) -> dict:
+    """The RL loop as one SPMD program over the trainer's ranks (the engine beside rank 0),
+    as ``mcore-rl train`` ran it before the dataflow runtime and still does under torchrun
+    or srun: the per-step ``time/step`` of its metrics."""
+    from mcore_rl.config.loader import config_to_dict
+    from mcore_rl.parallel.local_launch import run_ranks
+
+    p = cfg.parallel
+    run_ranks(loop_rank, (config_to_dict(cfg),), nproc=(p.dp or 1) * p.tp * p.pp,
+              threads_per_rank=p.cpu_threads_per_rank)
+    history = [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl")
+               .read_text().splitlines()]
+    return {"steps": [{"step": h["time/step"], "tokens": h["perf/tokens"]}
+                      for h in history if "time/step" in h]}
+
+
 def main() -> None:
     from mcore_rl.config import load_config
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     cfg = load_config(spec["config"], spec["overrides"])
-    result = (run_api if spec["mode"] == "api" else run_graph)(cfg, spec["steps"])
+    run = {"api": run_api, "graph": run_graph, "loop": run_loop}[spec["mode"]]
+    result = run(cfg, spec["steps"])
     Path(sys.argv[2]).write_text(json.dumps(result))
 
 

@@ -96,7 +96,9 @@ def run_ours(config: Path, overrides: list[str], log_dir: Path) -> list[dict]:
     for r in records:
         if "time/step" not in r:
             continue
-        steps.append({"step": r["time/step"],
+        # The wall time of the step where the run measured it (the dataflow runtime: hops
+        # between its controllers included); else the sum of its phases.
+        steps.append({"step": r.get("time/batch_interval", r["time/step"]),
                       **{p: sum(r.get(f"time/{m}", 0.0) for m in OUR_PHASES.get(p, (p,)))
                          for p in PHASES},
                       "values": r.get("time/values", 0.0), "sync": r.get("time/sync", 0.0),

@@ -20,6 +20,9 @@ class StopRequested(Exception):
         self.step = step
         self.checkpoint = Path(checkpoint)
 
+    def __reduce__(self):  # it crosses processes (a controller's error, back to the driver)
+        return (StopRequested, (self.step, self.checkpoint))
+
 
 class NonFiniteError(UsageError):
     """A loss, gradient or weight that is not finite: the run stops with one line naming the

@@ -139,7 +139,7 @@ def sample_rows(batch, limit: int = 8) -> list[dict]:
                                batch["scores"][:limit].tolist())]
 
 
-def finish(state: RunState, close_engine: bool = True) -> None:
+def finish(state: RunState) -> None:
     """Summary line, reward-curve PNG, the engine closed (unless another process owns it)."""
     from mcore_rl.metrics_log import plot_reward_curve
 
@@ -153,7 +153,7 @@ def finish(state: RunState, close_engine: bool = True) -> None:
             print(f"mcore-rl: {state.step} steps; validation score {vals[0]:.2f} -> {vals[-1]:.2f}; "
                   f"train reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; metrics "
                   f"{state.log.dir / 'metrics.jsonl'}; plot {plot}", flush=True)
-        if close_engine:
+        if state.owns_rollout:
             state.rollout.close()
 
 

@@ -57,8 +57,11 @@ def prompt_items(cfg: RLConfig, start_step: int, position: int) -> Iterator[dict
         yield {"step": step, "prompts": [{"prompt": r.prompt, **r.meta} for r in records]}
 
 
-def rl_graph(cfg: RLConfig, model_dir: Path, buffer_size: int = 1):
-    """The `ControllerGroup` of the RL loop for ``cfg`` (ranks: ``parallel.tp * pp * dp``)."""
+def rl_graph(cfg: RLConfig, model_dir: Path, buffer_size: int = 1, stop=None):
+    """The `ControllerGroup` of the RL loop for ``cfg`` (ranks: ``parallel.tp * pp * dp``).
+    ``stop``: what the trainer asks at every step boundary (``should_stop(ctx)``, e.g. the
+    launcher's `StopSignal` watching a stop file); an agreed stop saves a checkpoint and
+    ends the launch with `StopRequested`."""
     from mcore_rl.flow import Controller, ControllerGroup, DataStream, Megatron, factory
 
     data = config_to_dict(cfg)
@@ -70,7 +73,8 @@ def rl_graph(cfg: RLConfig, model_dir: Path, buffer_size: int = 1):
         Controller("rollout", factory(Generate, data, str(model_dir), "engine/0"),
                    data_output=rollout),
         Controller("reward", factory(Score, data), data_input=rollout, data_output=scored),
-        Controller("trainer", factory(Train, data, str(model_dir), ["engine/0"], False),
+        Controller("trainer", factory(Train, data, str(model_dir), ["engine/0"], False, stop,
+                                      cfg.rollout.placement == "colocated"),
                    data_input=scored,
                    strategy=Megatron(tp=p.tp, pp=p.pp, dp=world // (p.tp * p.pp), vpp=p.vpp,
                                      seed=cfg.train.seed, threads_per_rank=p.cpu_threads_per_rank,
@@ -78,12 +82,24 @@ def rl_graph(cfg: RLConfig, model_dir: Path, buffer_size: int = 1):
     ])
 
 
-def run_rl_graph(cfg: RLConfig, max_in_flight: int = 1, address: str | None = None):
+def run_rl_graph(cfg: RLConfig, max_in_flight: int = 1, address: str | None = None,
+                 stop=None):
     """Run ``cfg``'s RL job as the graph; its `FlowStats`."""
     from mcore_rl.flow import launch
 
-    model_dir = model_dir_for(cfg)
-    cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
-    step, position = resume_point(cfg)
-    return launch(rl_graph(cfg, model_dir), data=prompt_items(cfg, step, position),
-                  max_in_flight=max_in_flight, address=address)
+    from mcore_rl.rl.setup import initial_model_removed_on_failure
+
+    with initial_model_removed_on_failure(cfg, _DRIVER):
+        model_dir = model_dir_for(cfg)
+        run_cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
+        step, position = resume_point(run_cfg)
+        return launch(rl_graph(run_cfg, model_dir, stop=stop),
+                      data=prompt_items(run_cfg, step, position), max_in_flight=max_in_flight,
+                      address=address)
+
+
+class _Driver:
+    is_controller = True
+
+
+_DRIVER = _Driver()

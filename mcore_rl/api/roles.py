@@ -63,10 +63,12 @@ class Generate:
             (self.calls, item)
         records = prompt_records(prompts)
         encoded = phases.encode_prompts(self.tokenizer, self.cfg, records)
+        t = time.perf_counter()
         with self.lock:  # a weight update waits for this generation, and the other way round
             batch = phases.sample_batch(self.engine, self.tokenizer, self.cfg, encoded, step=step)
         batch.meta["producer"] = [os.getpid()] * len(batch)
         batch.info["prompts"] = len(records)
+        batch.info["time/generate"] = time.perf_counter() - t
         return batch
 
     def close(self) -> None:
@@ -86,10 +88,13 @@ class Score:
     def __call__(self, batch: Batch) -> Batch:
         from mcore_rl.rewards import score_all
 
+        t = time.perf_counter()
         prompts = [m["prompt"] for m in batch.meta["prompt_meta"]]
         scores = score_all(self.reward_fn, prompts, batch.meta["response_text"],
                            batch.meta["prompt_meta"])
-        return batch.with_tensors(scores=scores)
+        batch = batch.with_tensors(scores=scores)
+        batch.info["time/score"] = time.perf_counter() - t
+        return batch
 
 
 class Train:
@@ -104,10 +109,12 @@ class Train:
     Each step's metrics (returned and logged) carry the weight version the batch was
     generated with (``rollout/weight_version``), the one synced after it
     (``weight_version``) and, from the second step on, ``time/batch_interval``: the wall
-    time since the previous step ended (the step time of a pipelined graph)."""
+    time from the end of the previous step (its validation, logs and checkpoint included)
+    to the end of this one's update and sync: the step's wall time as the graph runs it,
+    hops between controllers included (with overlap, the time per trained batch)."""
 
     def __init__(self, cfg_data: dict, model_dir: str | Path, engines: Sequence[str],
-                 initial_sync: bool = True):
+                 initial_sync: bool = True, stop: Any = None, colocated: bool = False):
         from dataclasses import replace
 
         from mcore_rl.flow import lookup, rank_context
@@ -116,10 +123,11 @@ class Train:
         from mcore_rl.trainer import resume_or_warm_start
 
         cfg = _config(cfg_data)
-        # The engines belong to other controllers: no colocated hand-over (sleep/wake) from
-        # here; turns on shared devices are the dataflow's.
-        cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)),
-                      rollout=replace(cfg.rollout, placement="separate"))
+        cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
+        if not colocated:
+            # The engines run beside the trainer: no hand-over (sleep, wake) around the update.
+            cfg = replace(cfg, rollout=replace(cfg.rollout, placement="separate"))
+        self.stop = stop
         ctx = rank_context()
         remote = [lookup(name) for name in engines] if ctx.is_controller else []
         self.state = build_run(cfg, ctx, engines=remote)
@@ -132,22 +140,31 @@ class Train:
         from mcore_rl.rl import phases
         from mcore_rl.trainer import PhaseTimer, after_step, learn
 
+        from mcore_rl.errors import StopRequested
+
         state = self.state
         state.step += 1
         state.prompts.position += batch.info.get("prompts", 0)  # what a checkpoint records
         batch = phases.with_scores(state, phases.mark_truncated(state.cfg, batch), batch["scores"])
         generated_with = min(batch.meta["weight_version"])
-        metrics = learn(state, batch, PhaseTimer())
+        timer = PhaseTimer()
+        for phase in ("generate", "score"):  # timed where they ran
+            if f"time/{phase}" in batch.info:
+                timer.seconds[phase] = batch.info[f"time/{phase}"]
+        metrics = learn(state, batch, timer)
         metrics |= {"rollout/weight_version": float(generated_with),
                     "weight_version": float(state.weight_version)}
-        now = time.perf_counter()
         if self.last_end is not None:
-            metrics["time/batch_interval"] = now - self.last_end
-        self.last_end = now
-        after_step(state, metrics, stop=None)
+            metrics["time/batch_interval"] = time.perf_counter() - self.last_end
+        try:
+            after_step(state, metrics, stop=self.stop)
+        except StopRequested as req:
+            self.stop.acknowledge(state.ctx, req.step)
+            raise
+        self.last_end = time.perf_counter()
         return metrics
 
     def close(self) -> None:
         from mcore_rl.trainer import finish
 
-        finish(self.state, close_engine=False)
+        finish(self.state)

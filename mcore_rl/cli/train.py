@@ -34,6 +34,10 @@ def run(args) -> int:
                                                       cfg.logging.dir)
     from mcore_rl.cli.rank_main import rank_main, rank_main_from_dict
 
+    if launched is None and cfg.train.job == "rl":
+        from mcore_rl.cli.train_graph import run_graph
+
+        return run_graph(cfg)
     if launched is not None:
         adopt_slurm_environment()
         rank_main(cfg)

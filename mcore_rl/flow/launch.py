@@ -33,9 +33,12 @@ class FlowError(RuntimeError):
     follows."""
 
     def __init__(self, message: str, role: str | None = None, index: int | None = None,
-                 cause_type: str | None = None):
+                 cause_type: str | None = None, cause: BaseException | None = None):
         super().__init__(message)
         self.role, self.index, self.cause_type = role, index, cause_type
+        self.cause = cause
+        """The original exception (through calls into other controllers' objects too), when
+        it could be carried back; None when a process died."""
 
 
 def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
@@ -189,12 +192,16 @@ def _failure(spec: InstanceSpec, method: str, err: Exception) -> FlowError:
     exceptions = ray_shim.require().exceptions
     phase = {"where": "starting", "setup": "setting up", "run": "running",
              "close": "closing"}[method]
+    original = None
     if isinstance(err, exceptions.RayTaskError):
-        cause = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err
+        cause = err
+        while isinstance(cause, exceptions.RayTaskError) and isinstance(
+                getattr(cause, "cause", None), BaseException):
+            cause = cause.cause  # a call into another actor's object nests its error
         if isinstance(cause, exceptions.RayActorError):  # it lost the hub or a worker
             what = f"a process it depends on died ({type(cause).__name__})"
         else:
-            what = _describe(cause)
+            what, original = _describe(cause), cause
         cause_type = type(cause).__name__
         detail = str(err)
     elif isinstance(err, exceptions.RayActorError):
@@ -208,4 +215,4 @@ def _failure(spec: InstanceSpec, method: str, err: Exception) -> FlowError:
         what, cause_type, detail = _describe(err), type(err).__name__, ""
     message = f"controller {spec.name} failed while {phase}: {what}"
     return FlowError(f"{message}\n{detail}" if detail else message, spec.role, spec.index,
-                     cause_type)
+                     cause_type, original)

@@ -53,6 +53,8 @@ class RunState:
     weight_version: int = 0
     last_batch: Batch | None = None
     """The latest step's rollout batch (for sample logs)."""
+    owns_rollout: bool = True
+    """The run started ``rollout`` (and closes it); False for an engine another process owns."""
 
     @property
     def is_controller(self) -> bool:
@@ -201,4 +203,4 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None) 
                     prompts=PromptStream(train_records, cfg.data.seed), val_records=val_records,
                     reward_fn=reward_fn, kl=KLController(algo.kl_coef, algo.adaptive_kl_target),
                     log=log, checkpoints=RunCheckpoints.for_config(cfg),
-                    vocab_size=vocab)
+                    vocab_size=vocab, owns_rollout=engines is None)

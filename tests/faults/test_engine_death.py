@@ -3,8 +3,8 @@ never outlives the trainer that owns it.
 
 - SIGKILL of vLLM's engine core during a generation: `EngineDiedError` within 60 s, naming
   the process, the signal and the engine's last output;
-- SIGKILL of the engine during a weight sync (from the reward function of the run, which
-  runs on the rank that owns the engine): ``mcore-rl train`` exits 1 with that error;
+- SIGKILL of the engine before a weight sync (from the reward function of the run):
+  ``mcore-rl train`` exits 1 with that error;
 - SIGKILL of the trainer: none of its engine processes is alive 10 s later.
 """
 import json
@@ -64,12 +64,30 @@ def test_a_generation_whose_engine_is_killed_fails_within_60s_naming_the_signal(
     assert "its last output:" in message and len(message.splitlines()) > 2, message
 
 
+MARK = "MCORE_RL_TEST_RUN"
+
+
+def marked_engine_cores(mark: str) -> list[int]:
+    """vLLM engine cores whose environment holds ``MARK=mark`` (those of one run: the run's
+    processes inherit the environment of the command that started them)."""
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.info["cmdline"][:1] == ["VLLM::EngineCore"] and \
+                    proc.environ().get(MARK) == mark:
+                out.append(proc.pid)
+        except (psutil.Error, TypeError):
+            pass
+    return out
+
+
 def reward_that_kills_the_engine_at_step_2(prompt, response, meta):
-    """Exact match; the 17th call (step 2, with 16 samples per step) kills the engine core."""
+    """Exact match; the 17th call (step 2, with 16 samples per step) kills the run's engine
+    core (the reward runs in a controller of its own, beside the engine's)."""
     global _calls
     _calls = globals().get("_calls", 0) + 1
     if _calls == 17:
-        for pid in engine_core_pids(os.getpid()):
+        for pid in marked_engine_cores(os.environ[MARK]):
             os.kill(pid, signal.SIGKILL)
     return float(response.strip() == str(meta["answer"]))
 
@@ -80,7 +98,8 @@ def test_an_engine_killed_before_a_weight_sync_ends_the_run_with_the_named_error
          "train.steps=6", "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
          f"reward.name={__name__}:reward_that_kills_the_engine_at_step_2",
          f"logging.dir={tmp_path}"],
-        capture_output=True, text=True, cwd=REPO, timeout=300)
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env={**os.environ, MARK: tmp_path.name})
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("mcore-rl train: error")]
     assert len(errors) == 1, proc.stderr[-3000:]
