@@ -51,9 +51,13 @@ wait_for() {
 }
 ray_pids=()
 finish() {
-  stop_ray
-  for pid in "${ray_pids[@@]}"; do wait_for "$pid"; done
-  log "Ray stopped on every node"
+  if stop_ray; then log "Ray stopped on every node"; else log "stopping Ray failed (see above)"; fi
+  local pid tries
+  for pid in "${ray_pids[@@]}"; do  # the node steps end with their Ray; srun gets 30 s
+    for tries in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+  done
 }
 
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
