@@ -256,3 +256,25 @@ def test_ray_job_preempted_checkpoints_requeues_on_clean_nodes_and_resumes(
     for key in ("reward/mean", "actor/loss"):
         assert [metrics[s][key] for s in sorted(metrics)] == pytest.approx(
             [reference[s][key] for s in sorted(metrics)], rel=1e-5, abs=1e-7), key
+
+
+def test_ray_job_failing_driver_worker_group_fills_both_nodes_and_still_stops_ray(
+        cluster, tmp_path):
+    proc = subprocess.run(
+        [MCORE_RL, "launch", "slurm", "--nodes", "2", "--cpus-per-node", "2", "--partition",
+         "debug", "--run-dir", str(tmp_path), "--ray", "tests/launch/ray_flow_driver.py", "--",
+         "--fail"], capture_output=True, text=True, cwd=REPO, env=cluster.env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    info, _ = wait_for(cluster, job_id, lambda i: i["JobState"] == "FAILED", "failure")
+    log = (tmp_path / f"slurm-{job_id}.log").read_text()
+    assert info["ExitCode"] == "1:0" and info["Restarts"] == "0", log[-3000:]
+    assert "driver: launch done, 1 item(s)" in log and "driver exited with status 1" in log
+    assert "Ray stopped on every node" in log
+    ranks = sorted((json.loads(line) for line in (tmp_path / "ranks.jsonl").read_text()
+                    .splitlines()), key=lambda r: r["rank"])
+    nodes = [r["node"] for r in ranks]
+    # 4 ranks on 2 nodes: contiguous blocks of two (a TP2 group per node), not interleaved.
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes
+    assert_no_ray_left(job_id, [{"ranks": ranks}])
