@@ -6,7 +6,8 @@ built on every rank; per item, every rank is called with the same item (one obje
 reference) and the controller takes rank 0's result, as one controller drives one SPMD
 group. A rank that fails fails the call at once, whatever the others are doing. A driver
 may also call any method of the function's object on every rank at once (`WorkerGroup.
-invoke`): that is how `mcore_rl.RLTrainer` drives its ranks."""
+invoke`): that is how `mcore_rl.RLTrainer` drives its ranks. On a Ray cluster of several
+nodes the ranks fill the nodes evenly, rank 0 on the caller's node (`cluster.rank_nodes`)."""
 from __future__ import annotations
 
 import os
