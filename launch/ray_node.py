@@ -60,6 +60,7 @@ def _bindable(port: int) -> bool:
 
 
 def free_port() -> int:
+    """A port free on every interface of this host (Ray binds its ports on all of them)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

@@ -82,8 +82,10 @@ def build_ray_request(args):
     launch = load_config(None, []).launch
     nodes = launch.nodes if args.nodes is None else args.nodes
     cpus = launch.cpus_per_node if args.cpus_per_node is None else args.cpus_per_node
-    for name, value, least in (("--nodes", nodes, 1), ("--cpus-per-node", cpus, 0),
-                               ("--gpus-per-node", args.gpus_per_node or 1, 1)):
+    checks = [("--nodes", nodes, 1), ("--cpus-per-node", cpus, 0)]
+    if args.gpus_per_node is not None:
+        checks.append(("--gpus-per-node", args.gpus_per_node, 1))
+    for name, value, least in checks:
         if value < least:
             raise UsageError(f"{name} must be >= {least}, got {value}")
     run_dir = Path(args.run_dir or f"runs/{script.stem}").resolve()
