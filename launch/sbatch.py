@@ -3,7 +3,8 @@
 `SbatchRequest` holds what varies between jobs (nodes, ranks per node, GPUs or CPUs,
 partition, time, the config and its overrides, or a Ray driver script and its arguments);
 `render_sbatch` fills ``templates/sbatch.sh`` (``mcore-rl train`` under torchrun) or
-``templates/sbatch_ray.sh`` (Ray on every node, the driver on the first) with it; `submit` hands the script to ``sbatch --parsable``.
+``templates/sbatch_ray.sh`` (Ray on every node, the driver on the first) with it; `submit`
+hands the script to ``sbatch --parsable``.
 `resolve_partition` asks the cluster (``sinfo``) before submitting, so a missing or wrong
 partition fails with one line instead of a pending job.
 """
@@ -116,8 +117,9 @@ def render_sbatch(req: SbatchRequest) -> str:
     text = resources.files("mcore_rl.launch").joinpath("templates", template).read_text()
     srun_extra = f"--cpus-per-task={req.cpus()} " if req.cpus() else ""
     if req.ray_driver:
-        ray_resources = " ".join([*([f"--num-cpus {req.cpus()}"] if req.cpus() else []),
-                                  *([f"--num-gpus {req.gpus_per_node}"] if req.gpus_per_node else [])])
+        ray_resources = " ".join(
+            [*([f"--num-cpus {req.cpus()}"] if req.cpus() else []),
+             *([f"--num-gpus {req.gpus_per_node}"] if req.gpus_per_node else [])])
         return _AtTemplate(text).substitute(
             directives="\n".join(sbatch_directives(req)), python=shlex.quote(req.python),
             run_dir=shlex.quote(req.run_dir), threads_per_rank=req.threads_per_rank,

@@ -32,7 +32,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-@{threads_per_rank}}"
 export RAY_DEDUP_LOGS=0
 # Ray's token authentication, with a token of this job's own that every node and the driver
 # inherit (srun passes the environment on).
-export RAY_AUTH_MODE=token
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 export RAY_AUTH_TOKEN="${RAY_AUTH_TOKEN:-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')}"
 @{backend_env}
 

@@ -147,8 +147,9 @@ def register(subparsers) -> None:
     p.add_argument("scheduler", choices=["slurm"], help="cluster scheduler")
     p.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml (with --ray: the "
                                   "driver script)")
-    p.add_argument("overrides", nargs="*", help="section.field=value overrides (with --ray: the "
-                                                "driver's arguments; after -- if they start with -)")
+    p.add_argument("overrides", nargs="*",
+                   help="section.field=value overrides (with --ray: the driver's arguments; "
+                        "after -- if they start with -)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: launch.nodes)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPU nodes: GPUs per node, one rank each")
