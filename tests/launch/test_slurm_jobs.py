@@ -16,7 +16,8 @@ accepted) and sched_interval=2: measured 6-8 s. The preemption test prints its m
 (run pytest with -s to see it). On the 2-core development machine, shared with other work,
 a 2-node job of 8 steps completed 17-26 s after submission, and the preempted job (start,
 stop after step 1, checkpoint, requeue, start again, resume, finish) 70-90 s after it. The
-Ray job of 6 GRPO steps completed 21-30 s after submission, its preempted run 45-50 s after.
+Ray job of 6 GRPO steps completed 19-22 s after submission, its preempted run 46-51 s after
+(the test's wall time), the failing flow launch 15 s.
 """
 import json
 import re
