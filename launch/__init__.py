@@ -1,6 +1,8 @@
 """Launching on clusters, installed as ``mcore_rl.launch``.
 
-- `sbatch`: the one sbatch template (``templates/sbatch.sh``), its renderer and submitter;
+- `sbatch`: the sbatch templates (``templates/sbatch.sh``; ``templates/sbatch_ray.sh`` for
+  driver scripts on Ray), their renderer and submitter;
+- `ray_node`: one node's Ray of a job (own temp dir and ports), started and stopped;
 - `stop_signal`: how all ranks agree to stop, checkpoint and requeue on preemption;
 - `preflight`: the start-up collective that names a broken node and rank;
 - `slurm_cluster`: a real two-node SLURM cluster on one machine, for tests and trials.

@@ -1,8 +1,10 @@
 """Render the one sbatch template for a training request, check the cluster, submit.
 
 `SbatchRequest` holds what varies between jobs (nodes, ranks per node, GPUs or CPUs,
-partition, time, the config and its overrides); `render_sbatch` fills
-``templates/sbatch.sh`` with it; `submit` hands the script to ``sbatch --parsable``.
+partition, time, the config and its overrides, or a Ray driver script and its arguments);
+`render_sbatch` fills ``templates/sbatch.sh`` (``mcore-rl train`` under torchrun) or
+``templates/sbatch_ray.sh`` (Ray on every node, the driver on the first) with it; `submit`
+hands the script to ``sbatch --parsable``.
 `resolve_partition` asks the cluster (``sinfo``) before submitting, so a missing or wrong
 partition fails with one line instead of a pending job.
 """
@@ -19,6 +21,7 @@ from string import Template
 from mcore_rl.errors import UsageError
 
 TEMPLATE = "sbatch.sh"
+RAY_TEMPLATE = "sbatch_ray.sh"
 
 
 class _AtTemplate(Template):
@@ -59,6 +62,10 @@ class SbatchRequest:
     """Job name shown by squeue."""
     signal_lead_s: int = 300
     """USR1 to the batch shell this many seconds before the time limit."""
+    ray_driver: list[str] = field(default_factory=list)
+    """Ray mode: the driver script (absolute path) and its arguments, run once on the first
+    node with a Ray node on every node (``templates/sbatch_ray.sh``); empty: ``mcore-rl
+    train CONFIG`` with one torchrun per node (``templates/sbatch.sh``)."""
 
     @property
     def world_size(self) -> int:
@@ -72,7 +79,9 @@ class SbatchRequest:
     def cpus(self) -> int:
         if self.cpus_per_node:
             return self.cpus_per_node
-        return 0 if self.gpus_per_node else self.procs_per_node * self.threads_per_rank
+        if self.gpus_per_node or self.ray_driver:
+            return 0
+        return self.procs_per_node * self.threads_per_rank
 
 
 def sbatch_directives(req: SbatchRequest) -> list[str]:
@@ -104,8 +113,18 @@ def _backend_env(req: SbatchRequest) -> str:
 
 def render_sbatch(req: SbatchRequest) -> str:
     """The job script for ``req``."""
-    text = resources.files("mcore_rl.launch").joinpath("templates", TEMPLATE).read_text()
+    template = RAY_TEMPLATE if req.ray_driver else TEMPLATE
+    text = resources.files("mcore_rl.launch").joinpath("templates", template).read_text()
     srun_extra = f"--cpus-per-task={req.cpus()} " if req.cpus() else ""
+    if req.ray_driver:
+        ray_resources = " ".join(
+            [*([f"--num-cpus {req.cpus()}"] if req.cpus() else []),
+             *([f"--num-gpus {req.gpus_per_node}"] if req.gpus_per_node else [])])
+        return _AtTemplate(text).substitute(
+            directives="\n".join(sbatch_directives(req)), python=shlex.quote(req.python),
+            run_dir=shlex.quote(req.run_dir), threads_per_rank=req.threads_per_rank,
+            backend_env=_backend_env(req), srun_extra=srun_extra, ray_resources=ray_resources,
+            driver_args=shlex.join(req.ray_driver))
     return _AtTemplate(text).substitute(
         directives="\n".join(sbatch_directives(req)),
         python=shlex.quote(req.python),

@@ -21,6 +21,11 @@ The protocol, end to end (the SLURM side lives in ``templates/sbatch.sh``):
    elsewhere (``mcore-rl train`` alone, plain ``srun``) they exit with `STOP_EXIT_CODE`.
    The requeued job starts again and resumes from the checkpoint (``checkpoint.resume=auto``).
 
+A driver script on Ray (``mcore-rl launch slurm --ray``) plays all of these parts itself: it
+is the one process that receives the signal and sees the stop file, so it checks
+`StopSignal.requested_here` between its steps, saves (``RLTrainer.save``), calls
+`StopSignal.write_ack` and exits with `stop_exit_code()` (``examples/slurm_grpo.py``).
+
 A second signal of the same kind while a stop is pending gets the default action (a second
 SIGTERM still ends the process at once). The run directory must be on a file system
 that all nodes share, as the checkpoints are.
@@ -99,7 +104,14 @@ class StopSignal:
 
         if dist.is_initialized():
             dist.barrier()
-        if self.stop_file is None or ctx.rank != 0:
+        if ctx.rank != 0:
+            return None
+        return self.write_ack(step)
+
+    def write_ack(self, step: int) -> Path | None:
+        """Write the acknowledgement for the batch shell (no-op without a stop file). A driver
+        script, whose ranks are Ray actors, calls it itself once its checkpoint is saved."""
+        if self.stop_file is None:
             return None
         ack = self.stop_file.with_name(self.stop_file.name + ACK_SUFFIX)
         tmp = ack.with_name(ack.name + ".tmp")

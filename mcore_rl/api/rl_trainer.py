@@ -137,6 +137,13 @@ class RLTrainer:
         """The version of the weights in the engine (1 after the initial sync, +1 per update)."""
         return self._call("info")["weight_version"]
 
+    @property
+    def rank_processes(self) -> list[tuple[str, int]]:
+        """``(Ray node id, pid)`` of every rank, in rank order."""
+        if self._group is None:
+            raise UsageError("RLTrainer.rank_processes: the trainer is closed")
+        return self._group.processes()
+
     def close(self) -> None:
         """Finish the run (summary, reward curve, engine closed) and stop the ranks."""
         group, self._group = self._group, None

@@ -66,6 +66,16 @@ def node_id() -> str:
     return require().get_runtime_context().get_node_id()
 
 
+def on_node(node: str | None) -> dict:
+    """Actor options that put an actor on the node with id ``node`` (none for None)."""
+    if node is None:
+        return {}
+    require()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
+
 def get_all(refs: list, poll_s: float = 0.5) -> list:
     """``ray.get`` of several references that raises as soon as any of them failed (plain
     ``ray.get`` of a list may first wait for an earlier one that never finishes)."""

@@ -6,14 +6,17 @@ built on every rank; per item, every rank is called with the same item (one obje
 reference) and the controller takes rank 0's result, as one controller drives one SPMD
 group. A rank that fails fails the call at once, whatever the others are doing. A driver
 may also call any method of the function's object on every rank at once (`WorkerGroup.
-invoke`): that is how `mcore_rl.RLTrainer` drives its ranks."""
+invoke`): that is how `mcore_rl.RLTrainer` drives its ranks. On a Ray cluster of several
+nodes the ranks fill the nodes evenly, rank 0 on the caller's node (`cluster.rank_nodes`)."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from typing import Any, Callable
 
 from mcore_rl.flow import ray_shim, services
+from mcore_rl.flow.cluster import rank_nodes
 from mcore_rl.flow.graph import build_function
 from mcore_rl.flow.placement import pin_to_cores, split_devices
 
@@ -69,6 +72,10 @@ class RankProcess:
     def invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self.function, method)(*args, **kwargs)
 
+    def kill_group(self) -> None:
+        """Kill this rank and the process group it leads (what it started), on its node."""
+        os.killpg(os.getpid(), signal.SIGKILL)
+
     def stop(self) -> None:
         import torch.distributed as dist
 
@@ -95,8 +102,11 @@ class WorkerGroup:
         hub = services.current_hub()
         # One thread per rank (Ray's default): Megatron's CPU layer is a per-thread torch
         # function mode, entered on the actor's main thread.
-        ranks = [actor.options(num_cpus=0).remote(rank, spec.num_workers, share, threads, env, hub)
-                 for rank, share in enumerate(shares)]
+        # On a cluster of several nodes the ranks fill them evenly (`cluster.rank_nodes`).
+        nodes = rank_nodes(spec.num_workers)
+        ranks = [actor.options(num_cpus=0, **ray_shim.on_node(node)).remote(
+                     rank, spec.num_workers, share, threads, env, hub)
+                 for rank, (share, node) in enumerate(zip(shares, nodes))]
         group = cls(ranks, [])
         try:
             group.places = ray_shim.get_all([r.where.remote() for r in ranks])
@@ -130,9 +140,13 @@ class WorkerGroup:
         from mcore_rl.flow.controller import kill_process_group
 
         ray = ray_shim.require()
+        here = ray_shim.node_id()
+        remote = [r for r, (node, _) in zip(self.ranks, self.places) if node != here]
+        if remote:  # ranks on other nodes kill their own groups
+            kills = [r.kill_group.remote() for r in remote]
+            ray.wait(kills, num_returns=len(kills), timeout=2.0)
         for r in self.ranks:
             ray.kill(r, no_restart=True)
-        here = ray_shim.node_id()
         for node, pid in self.places:
             if node == here:
                 kill_process_group(pid)

@@ -43,6 +43,8 @@ def test_sample_returns_the_engines_tokens_text_logprobs_and_weight_version(trai
         assert len(logprobs) == len(response_ids) and all(lp <= 0 for lp in logprobs)
     assert set(r["weight_version"]) == {trainer.weight_version}
     assert trainer.weight_version >= 1  # the warm start's weights were synced
+    ranks = trainer.rank_processes  # (Ray node, pid) per rank: one local node, two processes
+    assert len(ranks) == 2 and len({pid for _, pid in ranks}) == 2 and len({n for n, _ in ranks}) == 1
 
 
 def test_update_trains_and_the_new_weights_reach_the_engine(trainer):

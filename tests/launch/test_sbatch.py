@@ -125,3 +125,66 @@ def test_launch_command_does_not_import_torch_on_the_login_node():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
+
+
+# --- Ray mode (`--ray DRIVER.py`)
+
+DRIVER = str(REPO / "examples" / "slurm_grpo.py")
+
+
+def _ray_launch(capsys, *args):
+    code = main(["launch", "slurm", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ray_script_starts_a_head_and_workers_runs_the_driver_once_and_stops_ray_at_every_exit():
+    script = render_sbatch(SbatchRequest(config="", run_dir="/shared/runs/r", workdir="/w",
+                                         python="/opt/venv/bin/python", nodes=3, cpus_per_node=4,
+                                         ray_driver=[DRIVER, "--steps", "4", "it's=here"]))
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    assert "--cpus-per-task=4" in _directives(script) and "--requeue" in _directives(script)
+    head = script.index("ray_node start --head")
+    workers = script.index('ray_node start --address "$RAY_ADDRESS"')
+    wait = script.index("mcore_rl.flow.cluster wait --nodes")
+    driver = script.index('"$PYTHON" "${driver[@]}" &')
+    assert head < workers < wait < driver
+    assert '--exclude="$head_node"' in script and '--nodelist="$head_node"' in script
+    assert 'export RAY_ADDRESS="$head_ip:$head_port"' in script  # the head's address, explicit
+    assert script.count("--num-cpus 4") == 2
+    line = next(ln for ln in script.splitlines() if ln.startswith("driver=("))
+    assert shlex.split(line[len("driver=("):-1]) == [DRIVER, "--steps", "4", "it's=here"]
+    # Every path after the driver started goes through `finish` (stop Ray on every node).
+    tail = script[driver:]
+    assert tail.index("finish") < tail.index('if [ -f "$stop_ack" ]')
+    commands = [ln for ln in script.splitlines() if not ln.lstrip().startswith("#")]
+    assert "ray_node stop --job" in script  # its own Ray only: `ray stop` ends all on the host
+    assert not [ln for ln in commands if "ray stop" in ln]
+
+
+def test_ray_dry_run_prints_the_ray_script_and_submits_nothing(capsys, tmp_path, recording_sbatch):
+    code, out, err = _ray_launch(capsys, "--nodes", "2", "--cpus-per-node", "2", "--run-dir",
+                                 str(tmp_path / "run"), "--dry-run", "--ray", DRIVER, "--",
+                                 "--steps", "3")
+    assert code == 0, err
+    assert "ray_node start --head" in out and f"RUN_DIR={tmp_path}/run" in out
+    assert f"driver=({DRIVER} --steps 3)" in out
+    assert not recording_sbatch.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ray", "nope.py"], "driver script nope.py not found"),
+    (["--ray", CONFIG], "--ray runs a Python driver script, not"),
+    (["--procs-per-node", "2", "--ray", DRIVER], "--procs-per-node does not apply to --ray jobs"),
+    (["--nodes", "0", "--ray", DRIVER], "--nodes must be >= 1, got 0"),
+    (["--cpus-per-node", "-1", "--ray", DRIVER], "--cpus-per-node must be >= 0, got -1"),
+    (["--gpus-per-node", "0", "--ray", DRIVER], "--gpus-per-node must be >= 1, got 0"),
+    ([CONFIG, "--nodes", "1", "--procs-per-node", "2", "--run-dir", "x"],
+     "--run-dir and --cpus-per-node are for --ray jobs"),
+], ids=["missing", "not-python", "procs-per-node", "no-nodes", "negative-cpus", "no-gpus",
+        "not-ray"])
+def test_bad_ray_requests_fail_in_one_line_before_submission(capsys, args, message,
+                                                              recording_sbatch):
+    code, out, err = _ray_launch(capsys, "--partition", "debug", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert not recording_sbatch.exists() and out == ""

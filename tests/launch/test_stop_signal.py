@@ -88,3 +88,13 @@ def test_train_stops_on_the_stop_file_with_status_3_and_the_rerun_resumes_from_i
     assert "step   1/4" not in second.stdout and "step   2/4" in second.stdout
     summary = json.loads((tmp_path / "smoke_summary.json").read_text())
     assert summary["steps"] == 4 and len(summary["losses"]) == 4
+
+
+def test_a_driver_without_ranks_of_its_own_acknowledges_its_saved_step(tmp_path):
+    stop = StopSignal(stop_file=tmp_path / ".stop-9")
+    assert not stop.requested_here()
+    (tmp_path / ".stop-9").touch()  # what the batch shell's trap does
+    assert stop.requested_here()
+    assert stop.write_ack(4) == tmp_path / ".stop-9.saved"
+    assert (tmp_path / ".stop-9.saved").read_text() == "4\n"
+    assert StopSignal(stop_file="").write_ack(4) is None  # not under SLURM: nothing to tell
