@@ -9,6 +9,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -71,3 +73,21 @@ def write_json(path: str | Path, data: dict) -> Path:
     tmp.write_text(json.dumps(data, indent=2))
     os.replace(tmp, path)
     return path
+
+
+def median_of(steps: list[dict], key: str) -> float:
+    """The median of ``key`` over per-step records."""
+    return statistics.median(s[key] for s in steps)
+
+
+def run_spec_module(module: str, spec: dict, work: Path, name: str, what: str):
+    """``python -m module SPEC OUT`` in a fresh process (cwd: the repository): ``spec``
+    written to ``work/<name>_spec.json``, the JSON it writes to ``work/<name>_out.json``
+    returned; a failure raises with the end of its stderr, naming ``what`` ran."""
+    spec_path, out_path = work / f"{name}_spec.json", work / f"{name}_out.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", module, str(spec_path), str(out_path)],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(out_path.read_text())

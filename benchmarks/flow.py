@@ -20,15 +20,12 @@ Figures are medians over the steps after ``--warmup``. ``--quick``: few steps (f
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from mcore_rl.benchmarks._common import machine_info, rounded, time_comparison, write_json
-from mcore_rl.benchmarks.train import REPO, _config_path, our_overrides, run_ours
+from mcore_rl.benchmarks._common import (machine_info, median_of, rounded, run_spec_module,
+                                         time_comparison, write_json)
+from mcore_rl.benchmarks.train import _config_path, our_overrides, run_ours
 from mcore_rl.errors import UsageError
 
 
@@ -37,18 +34,11 @@ def _log(msg: str) -> None:
 
 
 def run_driver(mode: str, config: Path, overrides: list[str], steps: int, work: Path) -> dict:
-    spec, out = work / f"{mode}_spec.json", work / f"{mode}_out.json"
-    spec.write_text(json.dumps({"config": str(config), "overrides": overrides, "steps": steps,
-                                "mode": mode}))
-    proc = subprocess.run([sys.executable, "-m", "mcore_rl.benchmarks._flow_driver", str(spec),
-                           str(out)], capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {mode} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    spec = {"config": str(config), "overrides": overrides, "steps": steps, "mode": mode}
+    return run_spec_module("mcore_rl.benchmarks._flow_driver", spec, work, mode, f"the {mode} run")
 
 
-def _median(steps: list[dict], key: str) -> float:
-    return statistics.median(s[key] for s in steps)
+_median = median_of
 
 
 def main(argv=None) -> int:

@@ -35,8 +35,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mcore_rl.benchmarks._common import (machine_info, rounded, throughput_comparison,
-                                         time_comparison, write_json)
+from mcore_rl.benchmarks._common import (machine_info, median_of, rounded, run_spec_module,
+                                         throughput_comparison, time_comparison, write_json)
 from mcore_rl.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,17 +142,10 @@ def trl_spec(cfg, model_dir: Path, out_dir: Path, steps: int, threads: int) -> d
 
 
 def run_trl(spec: dict, work: Path) -> list[dict]:
-    spec_path, out_path = work / "trl_spec.json", work / "trl_steps.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "mcore_rl.benchmarks._trl_grpo", str(spec_path),
-                           str(out_path)], capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"TRL GRPOTrainer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(out_path.read_text())
+    return run_spec_module("mcore_rl.benchmarks._trl_grpo", spec, work, "trl", "TRL GRPOTrainer")
 
 
-def _median(steps: list[dict], key: str) -> float:
-    return statistics.median(s[key] for s in steps)
+_median = median_of
 
 
 def compare(ours: list[dict], trl: list[dict], warmup: int) -> dict:

@@ -3,7 +3,6 @@ schedule) computes what the SPMD loop computes: it replays the golden runs to ro
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
