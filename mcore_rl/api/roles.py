@@ -97,6 +97,19 @@ class Score:
         return batch
 
 
+def report_placement(ctx) -> None:
+    """One line from the controller rank: how many ranks run on how many Ray nodes."""
+    import torch.distributed as dist
+
+    from mcore_rl.flow import ray_shim
+
+    nodes = [None] * ctx.world_size
+    dist.all_gather_object(nodes, ray_shim.node_id(), group=ctx.world_group)
+    if ctx.is_controller:
+        print(f"mcore-rl: {ctx.world_size} trainer rank(s), layout {ctx.layout}, on "
+              f"{len(set(nodes))} Ray node(s)", flush=True)
+
+
 class Train:
     """A trainer role for the Megatron strategy: a scored rollout `Batch` -> one RL step
     (log-probs, KL, values, advantages, the update), a weight sync into the engines
@@ -129,6 +142,7 @@ class Train:
             cfg = replace(cfg, rollout=replace(cfg.rollout, placement="separate"))
         self.stop = stop
         ctx = rank_context()
+        report_placement(ctx)
         remote = [lookup(name) for name in engines] if ctx.is_controller else []
         self.state = build_run(cfg, ctx, engines=remote)
         resume_or_warm_start(self.state)

@@ -8,11 +8,12 @@ partition (or a default one); then it
 renders the job script (``--dry-run`` prints it and stops), submits it and prints the job id
 and the log path. Command-line values override the config's ``launch`` section.
 
-With ``--ray`` the job runs a driver script instead (an `RLTrainer` script, a flow launch):
-a Ray head on the first node, a Ray worker on every other, the driver once on the first
-node. The positional arguments are then the script and its arguments; the script must be
-a Python file here, Ray must be installed in this environment, and ``--procs-per-node`` does
-not apply (the driver places its ranks itself).
+With ``--ray`` the job runs a driver on Ray instead: a Ray head on the first node, a Ray
+worker on every other, the driver once on the first node. The driver is a Python script
+(an `RLTrainer` script, a flow launch; the positional arguments are the script and its
+arguments) or an RL config, run as ``mcore-rl train CONFIG [overrides]``: the RL graph,
+its trainer ranks placed over the nodes. Ray must be installed in this environment, and
+``--procs-per-node`` does not apply (the driver places its ranks itself).
 """
 from __future__ import annotations
 
@@ -69,10 +70,12 @@ def build_ray_request(args):
     from mcore_rl.launch.sbatch import SbatchRequest
 
     script = Path(args.config)
-    if script.suffix != ".py":
-        raise UsageError(f"--ray runs a Python driver script, not {args.config!r}")
+    if script.suffix not in (".py", ".yaml", ".yml"):
+        raise UsageError(f"--ray runs a Python driver script or an mcore-rl train config, not "
+                         f"{args.config!r}")
     if not script.is_file():
-        raise UsageError(f"driver script {args.config} not found")
+        raise UsageError(f"{'config' if script.suffix != '.py' else 'driver script'} "
+                         f"{args.config} not found")
     if args.procs_per_node is not None:
         raise UsageError("--procs-per-node does not apply to --ray jobs: the driver places its "
                          "ranks on the Ray nodes itself; give --cpus-per-node or --gpus-per-node")
@@ -88,7 +91,21 @@ def build_ray_request(args):
     for name, value, least in checks:
         if value < least:
             raise UsageError(f"{name} must be >= {least}, got {value}")
+    driver = [str(script.resolve()), *args.overrides]
     run_dir = Path(args.run_dir or f"runs/{script.stem}").resolve()
+    if script.suffix != ".py":  # mcore-rl train CONFIG as the driver: the RL graph on Ray
+        cfg = load_config(script, args.overrides)
+        if cfg.train.job != "rl":
+            raise UsageError(f"--ray runs RL jobs; train.job={cfg.train.job} runs with "
+                             "--procs-per-node or --gpus-per-node (no --ray)")
+        p = cfg.parallel
+        validate_config(cfg, world_size=(p.dp or 1) * p.tp * p.pp)
+        check_local_inputs(cfg, read_paths=not args.skip_path_checks)
+        if args.run_dir is not None:
+            raise UsageError("--run-dir is the driver script's; an mcore-rl train job writes to "
+                             "its logging.dir")
+        driver = ["-m", "mcore_rl.cli.main", "train", *driver]
+        run_dir = Path(cfg.logging.dir).resolve()
     req = SbatchRequest(
         config="", run_dir=str(run_dir), workdir=str(Path.cwd()), python=sys.executable,
         nodes=nodes, gpus_per_node=args.gpus_per_node, cpus_per_node=cpus,
@@ -96,7 +113,7 @@ def build_ray_request(args):
         time=args.time or launch.time,
         account=args.account if args.account is not None else launch.account,
         job_name=launch.job_name, signal_lead_s=launch.signal_lead_s,
-        ray_driver=[str(script.resolve()), *args.overrides])
+        ray_driver=driver)
     return req, f"Ray driver {script.name}"
 
 

@@ -279,3 +279,25 @@ def test_ray_job_failing_driver_worker_group_fills_both_nodes_and_still_stops_ra
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes
     assert_no_ray_left(job_id, [{"ranks": ranks}])
+
+
+def test_mcore_rl_train_as_the_ray_driver_runs_the_rl_graph_over_both_nodes(cluster, tmp_path):
+    """``mcore-rl launch slurm CONFIG --ray``: ``mcore-rl train`` is the driver, its trainer
+    ranks placed over the two Ray nodes, and the job leaves no Ray behind."""
+    from mcore_rl.launch.ray_node import node_processes, temp_dir
+
+    proc = subprocess.run(
+        [MCORE_RL, "launch", "slurm", "configs/quickstart.yaml", "--nodes", "2",
+         "--cpus-per-node", "2", "--partition", "debug", "--ray", "parallel.tp=2",
+         "rollout.engine=hf", "train.steps=3", "train.warm_start_steps=10", "train.val_every=0",
+         "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "logging.progress_bar=false",
+         "checkpoint.save_every=0", f"logging.dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"],
+        capture_output=True, text=True, cwd=REPO, env=cluster.env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    log, _ = ray_finished(cluster, job_id, tmp_path)
+    assert "mcore-rl: 2 trainer rank(s), layout TP2xPP1xDP1, on 2 Ray node(s)" in log, log
+    assert sorted(rl_metrics(tmp_path)) == [1, 2, 3]
+    assert "driver exited with status 0" in log
+    for node in ("n1", "n2"):
+        assert not temp_dir(job_id, node).exists() and not node_processes(temp_dir(job_id, node))
