@@ -4,10 +4,11 @@ from the trainer into the engine after every update.
 
     stats = run_rl_graph(load_config("configs/quickstart.yaml"))
 
-``max_in_flight=1`` (the default) is the synchronous schedule: the next step's prompts
+``train.schedule: sync`` paces the feed with ``max_in_flight=1``: the next step's prompts
 enter the graph only once the trainer has finished the step before, so it computes what
 the SPMD loop computes, step for step (``tests/api/test_rl_graph.py`` replays the golden
-runs through it). A larger bound lets generation run ahead of the update."""
+runs through it). ``one_step_off`` lets one more step in: the rollout of step k+1 is
+generated while step k trains, one weight version behind."""
 from __future__ import annotations
 
 import json
@@ -82,9 +83,15 @@ def rl_graph(cfg: RLConfig, model_dir: Path, buffer_size: int = 1, stop=None):
     ])
 
 
-def run_rl_graph(cfg: RLConfig, max_in_flight: int = 1, address: str | None = None,
+IN_FLIGHT = {"sync": 1, "one_step_off": 2}
+"""``train.schedule`` -> the launch's ``max_in_flight``: steps between the prompt feed and
+the end of the trainer's step."""
+
+
+def run_rl_graph(cfg: RLConfig, max_in_flight: int | None = None, address: str | None = None,
                  stop=None):
-    """Run ``cfg``'s RL job as the graph; its `FlowStats`."""
+    """Run ``cfg``'s RL job as the graph (``max_in_flight``: default by
+    ``train.schedule``); its `FlowStats`."""
     from mcore_rl.flow import launch
 
     from mcore_rl.rl.setup import initial_model_removed_on_failure
@@ -94,7 +101,8 @@ def run_rl_graph(cfg: RLConfig, max_in_flight: int = 1, address: str | None = No
         run_cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
         step, position = resume_point(run_cfg)
         return launch(rl_graph(run_cfg, model_dir, stop=stop),
-                      data=prompt_items(run_cfg, step, position), max_in_flight=max_in_flight,
+                      data=prompt_items(run_cfg, step, position),
+                      max_in_flight=max_in_flight or IN_FLIGHT[cfg.train.schedule],
                       address=address)
 
 

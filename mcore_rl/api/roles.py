@@ -119,6 +119,10 @@ class Train:
     does (`resume_or_warm_start`), then, with ``initial_sync``, syncs the weights if
     nothing did yet (engines built elsewhere may hold other weights).
 
+    A batch is first held to ``train.max_staleness`` (`within_staleness`): prompt groups
+    generated with weights more versions old are dropped and counted
+    (``rollout/stale_dropped``); a batch with nothing left is no step.
+
     Each step's metrics (returned and logged) carry the weight version the batch was
     generated with (``rollout/weight_version``), the one synced after it
     (``weight_version``) and, from the second step on, ``time/batch_interval``: the wall
@@ -149,6 +153,8 @@ class Train:
         if initial_sync and self.state.weight_version == 0:
             phases.sync_weights(self.state)
         self.last_end: float | None = None
+        self.dropped = 0.0
+        """Samples dropped as too stale since the last step (reported with the next one)."""
 
     def __call__(self, batch: Batch) -> dict[str, float]:
         from mcore_rl.rl import phases
@@ -156,18 +162,27 @@ class Train:
 
         from mcore_rl.errors import StopRequested
 
+        from mcore_rl.rl.staleness import within_staleness
+
         state = self.state
-        state.step += 1
         state.prompts.position += batch.info.get("prompts", 0)  # what a checkpoint records
-        batch = phases.with_scores(state, phases.mark_truncated(state.cfg, batch), batch["scores"])
+        fresh, staleness = within_staleness(batch, state.weight_version,
+                                            state.cfg.train.max_staleness)
+        self.dropped += staleness["rollout/stale_dropped"]
+        if fresh is None:  # nothing young enough to train on: no step
+            return {}
+        state.step += 1
+        batch = phases.with_scores(state, phases.mark_truncated(state.cfg, fresh), fresh["scores"])
         generated_with = min(batch.meta["weight_version"])
         timer = PhaseTimer()
         for phase in ("generate", "score"):  # timed where they ran
             if f"time/{phase}" in batch.info:
                 timer.seconds[phase] = batch.info[f"time/{phase}"]
         metrics = learn(state, batch, timer)
-        metrics |= {"rollout/weight_version": float(generated_with),
-                    "weight_version": float(state.weight_version)}
+        metrics |= staleness | {"rollout/stale_dropped": self.dropped,
+                                "rollout/weight_version": float(generated_with),
+                                "weight_version": float(state.weight_version)}
+        self.dropped = 0.0
         if self.last_end is not None:
             metrics["time/batch_interval"] = time.perf_counter() - self.last_end
         try:

@@ -34,6 +34,10 @@ def run(args) -> int:
                                                       cfg.logging.dir)
     from mcore_rl.cli.rank_main import rank_main, rank_main_from_dict
 
+    if launched is not None and cfg.train.job == "rl" and cfg.train.schedule != "sync":
+        raise UsageError(f"train.schedule={cfg.train.schedule} runs on the dataflow runtime, not on "
+                         "torchrun/srun ranks: run mcore-rl train without a launcher, or "
+                         "mcore-rl launch slurm CONFIG --ray")
     if launched is None and cfg.train.job == "rl":
         from mcore_rl.cli.train_graph import run_graph
 

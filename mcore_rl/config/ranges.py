@@ -109,6 +109,7 @@ RANGES: dict[str, Range] = {
     "train.warm_start_steps": NON_NEGATIVE,
     "train.warm_start_lr": NON_NEGATIVE,
     "train.warm_start_batch": COUNT,
+    "train.max_staleness": Range(low=0, fix="0 keeps every update on-policy"),
 }
 
 

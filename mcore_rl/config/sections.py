@@ -337,6 +337,15 @@ class TrainConfig:
     """A loss or gradient that is not finite (on any rank): the optimizer step is never
     applied; stop: the run ends with one line naming the step; skip: the update is skipped,
     counted in ``actor/skipped_updates`` (``critic/...``), and the run goes on."""
+    schedule: Literal["sync", "one_step_off"] = "sync"
+    """How generation and training overlap (the RL graph of ``mcore-rl train``): sync: the
+    next step's rollout starts once the update and weight sync of this one are done;
+    one_step_off: the rollout of step k+1 is generated while step k trains, with the
+    weights of step k-1 (needs ``max_staleness >= 1`` and ``rollout.placement: separate``)."""
+    max_staleness: int = 0
+    """K: no update consumes a sample generated more than K weight versions before the
+    weights it updates; older samples are dropped and counted (``rollout/stale_dropped``).
+    0 with ``schedule: sync`` is on-policy."""
 
 
 @dataclass

@@ -121,6 +121,16 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
     if o.min_lr > max(o.lr, o.critic_lr):
         raise ConfigError(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}; the "
                           "decay ends at min_lr: lower it")
+    t = cfg.train
+    if t.schedule == "one_step_off":
+        if t.max_staleness < 1:
+            raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "
+                              f"old, but train.max_staleness={t.max_staleness} allows none; set "
+                              "train.max_staleness=1 (or more)")
+        if r.placement != "separate":
+            raise ConfigError("train.schedule=one_step_off generates while the trainer updates, "
+                              f"which rollout.placement={r.placement} does not allow (the engine "
+                              "sleeps during the update); set rollout.placement=separate")
     validate_paths(cfg)
     return cfg
 

@@ -29,3 +29,17 @@ def test_the_graph_replays_the_golden_run(tmp_path, name):
     # one step at a time: the rollout of step k+1 was generated with the weights of step k
     assert [h["rollout/weight_version"] for h in history if "rollout/weight_version" in h] == \
         [h["weight_version"] - 1 for h in history if "weight_version" in h]
+
+
+def test_one_step_off_trains_each_step_on_the_rollout_of_the_weights_before(tmp_path):
+    cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", BASE + [
+        f"logging.dir={tmp_path}", "train.steps=5", "train.val_every=0",
+        "train.schedule=one_step_off", "train.max_staleness=1", "rollout.placement=separate"]), 1)
+    stats = run_rl_graph(cfg)
+    assert stats.roles["trainer"].calls == 5
+    history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [h for h in history if "weight_version" in h]
+    assert [h["step"] for h in steps] == [1, 2, 3, 4, 5]
+    assert all(h["rollout/staleness_max"] <= 1 and h["rollout/stale_dropped"] == 0 for h in steps)
+    # the generation of step k+1 overlapped the update of step k: it used older weights
+    assert any(h["rollout/staleness_max"] == 1 for h in steps[1:]), steps

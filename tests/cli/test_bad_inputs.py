@@ -149,6 +149,10 @@ CASES = [
     (["checkpoint.resume=auto", "checkpoint.dir={d}/ckpt2"], "checkpoint.resume=auto: ", "checkpoint.resume=never"),
     (["checkpoint.resume=auto", "logging.dir={d}/earlier_run"], "holds an earlier run but no usable "
                                                                 "checkpoint", "checkpoint.resume=never"),
+    (["train.schedule=one_step_off", "rollout.placement=separate"],
+     "train.schedule=one_step_off trains on rollouts one weight version old", "train.max_staleness=1"),
+    (["train.schedule=one_step_off", "train.max_staleness=1"],
+     "which rollout.placement=colocated does not allow", "rollout.placement=separate"),
 ] + RANGE_CASES
 
 
@@ -159,6 +163,7 @@ def no_rank_starts(monkeypatch):
 
     monkeypatch.setattr("mcore_rl.parallel.local_launch.run_ranks", trap)
     monkeypatch.setattr("mcore_rl.cli.rank_main.rank_main", trap)
+    monkeypatch.setattr("mcore_rl.cli.train_graph.run_graph", trap)
 
 
 def _listing(root: Path) -> dict:

@@ -1,0 +1,34 @@
+"""The staleness bound at consumption: whole prompt groups older than K versions go."""
+import pytest
+import torch
+
+from mcore_rl.data.batch import Batch
+from mcore_rl.rl.staleness import within_staleness
+
+
+def batch(versions: list[int], groups: list[int]) -> Batch:
+    b = Batch.from_sequences([[1, 2, 3]] * len(versions), [1] * len(versions),
+                             weight_version=versions)
+    return b.with_tensors(group_id=torch.tensor(groups))
+
+
+def test_fresh_samples_pass_untouched_with_their_staleness_reported():
+    b = batch([4, 4, 3, 3], [0, 0, 1, 1])
+    kept, m = within_staleness(b, current_version=4, max_staleness=1)
+    assert kept is b
+    assert m == {"rollout/staleness_max": 1.0, "rollout/staleness_mean": 0.5,
+                 "rollout/stale_dropped": 0.0}
+
+
+def test_a_group_with_any_sample_over_the_bound_is_dropped_whole():
+    b = batch([5, 5, 3, 5, 5, 5], [0, 0, 1, 1, 2, 2])
+    kept, m = within_staleness(b, current_version=5, max_staleness=1)
+    assert kept["group_id"].tolist() == [0, 0, 2, 2]
+    assert kept.meta["weight_version"] == [5, 5, 5, 5]
+    assert m["rollout/stale_dropped"] == 2.0 and m["rollout/staleness_max"] == 2.0
+
+
+@pytest.mark.parametrize("k, left", [(0, None), (2, 4)])
+def test_the_bound_is_inclusive_and_nothing_left_is_none(k, left):
+    kept, m = within_staleness(batch([3, 3, 3, 3], [0, 0, 1, 1]), current_version=5, max_staleness=k)
+    assert (kept is None) if left is None else len(kept) == left
