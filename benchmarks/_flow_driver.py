@@ -42,40 +42,19 @@ def run_api(cfg, steps: int) -> dict:
 
 
 def run_graph(cfg, steps: int) -> dict:
+    """The RL graph with ``train.schedule: one_step_off`` (the engine beside the trainer)."""
     from dataclasses import replace
 
-    from mcore_rl.api.roles import Generate, Score, Train
-    from mcore_rl.config.loader import config_to_dict
-    from mcore_rl.data.toy_task import toy_tokenizer
-    from mcore_rl.flow import Controller, ControllerGroup, DataStream, Megatron, factory, launch
-    from mcore_rl.models.random_init import write_random_llama
+    from mcore_rl.api.rl_graph import run_rl_graph
 
-    model_dir = Path(cfg.logging.dir) / "initial_model"
-    if cfg.model.path:
-        from mcore_rl.models.builtin import resolve_model_path
-
-        model_dir = resolve_model_path(cfg.model.path)
-    else:
-        tok = toy_tokenizer()
-        write_random_llama(cfg.model, model_dir, tok.vocab_size, tok.bos_id, tok.eos_id,
-                           tok.pad_id, seed=cfg.train.seed)
-        tok.save(model_dir)
-    cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
-    data = config_to_dict(cfg)
-    p = cfg.parallel
-    rollout, scored = DataStream("rollout", 1), DataStream("scored", 1)
-    group = ControllerGroup([
-        Controller("rollout", factory(Generate, data, str(model_dir), "engine/0"),
-                   data_output=rollout),
-        Controller("reward", factory(Score, data), data_input=rollout, data_output=scored),
-        Controller("trainer", factory(Train, data, str(model_dir), ["engine/0"]),
-                   data_input=scored, strategy=Megatron(tp=p.tp, pp=p.pp, seed=cfg.train.seed,
-                                                        threads_per_rank=p.cpu_threads_per_rank))])
-    stats = launch(group, data=prompt_batches(cfg, steps))
+    cfg = replace(cfg, train=replace(cfg.train, schedule="one_step_off", max_staleness=1),
+                  rollout=replace(cfg.rollout, placement="separate"))
+    stats = run_rl_graph(cfg)
     history = [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl")
                .read_text().splitlines()]
     steps_out = [{"step": h["time/batch_interval"], "tokens": h["perf/tokens"],
-                  "update": h["time/update"]} for h in history if "time/batch_interval" in h]
+                  "update": h["time/update"], "staleness": h["rollout/staleness_max"]}
+                 for h in history if "time/batch_interval" in h]
     return {"steps": steps_out, "roles": {r: s.as_dict() for r, s in stats.roles.items()},
             "table": stats.table()}
 
