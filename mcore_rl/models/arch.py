@@ -52,6 +52,9 @@ class ModelArch:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     """Bias on the Q, K and V projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm (weight [head_dim], eps ``rms_norm_eps``) over each query and key head before
+    RoPE (Qwen3)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities in training (HF's value; Megatron's default is 0.1)."""
     vocab_pad_multiple: int = 128

@@ -39,6 +39,7 @@ def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str =
         # Megatron defaults that differ from HF Llama/Qwen2/Mistral:
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=arch.attention_dropout,
         # HF computes the attention softmax in fp32 for bf16 models too.
@@ -65,7 +66,7 @@ def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str =
     )
 
 
-def layer_spec(transformer_engine: bool | None = None):
+def layer_spec(arch: ModelArch, transformer_engine: bool | None = None):
     """The TE spec when Transformer Engine and CUDA are present, else the local spec."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -74,8 +75,8 @@ def layer_spec(transformer_engine: bool | None = None):
 
         transformer_engine = transformer_engine_usable()
     if transformer_engine:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
 
 
 def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
@@ -96,7 +97,7 @@ def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
     if head not in ("lm", "score"):
         raise ValueError(f"head must be 'lm' or 'score', not {head!r}")
     config = build_transformer_config(arch, ctx, dtype, recompute, init_weights)
-    spec = layer_spec(transformer_engine)
+    spec = layer_spec(arch, transformer_engine)
     n_chunks = ctx.vpp or 1
     chunks = []
     for vp_stage in range(n_chunks):

@@ -1,7 +1,7 @@
 """HF ``config.json`` -> `ModelSpec` (a `ModelArch`, its family, its head), or one clear error.
 
 Supported: the causal LM and the single-label ``*ForSequenceClassification`` class of every
-family in `MODEL_FAMILIES` (Llama incl. Llama 3 RoPE scaling, Qwen2/Qwen2.5, Mistral). Anything
+family in `MODEL_FAMILIES` (Llama incl. Llama 3 RoPE scaling, Qwen2/Qwen2.5, Qwen3, Mistral). Anything
 mcore-rl cannot reproduce exactly (another architecture, a RoPE type, sliding windows, biases
 HF's Llama can add...) raises `UsageError` with one line saying what is supported. Both the
 transformers 5 config layout (``rope_parameters``) and the 4.x one (``rope_theta`` +
@@ -99,6 +99,7 @@ def spec_from_hf_config(cfg: dict, vocab_pad_multiple: int = 128) -> ModelSpec:
         # Absent means the class default, which is False for every supported family.
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias(cfg),
+        qk_norm=family.qk_norm(cfg),
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
         vocab_pad_multiple=vocab_pad_multiple,
     )

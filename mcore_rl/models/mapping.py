@@ -14,6 +14,8 @@ Fusions (Megatron layout on the left):
 - ``linear_fc1`` [2f, h] is [gate; up]. Each TP rank holds [gate_t; up_t] (its rows of both),
   so the *global* tensor is [gate; up] and a local shard is [gate_t; up_t].
 - The embedding and an untied ``lm_head`` are padded from V to Vp rows with zeros.
+- Qwen3's per-head ``q_norm`` / ``k_norm`` [d] are Megatron's ``q_layernorm`` /
+  ``k_layernorm``, replicated on every TP rank.
 """
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ def tensor_mappings(arch: ModelArch, head: str) -> list[TensorMapping]:
     if arch.qkv_bias:
         out.append(TensorMapping(f"{attn}.linear_qkv.bias", tuple(n + ".bias" for n in qkv),
                                  True, QKV, 0))
+    if arch.qk_norm:
+        out += [TensorMapping(f"{attn}.{p}_layernorm.weight", (f"{layer}.self_attn.{p}_norm.weight",),
+                              True, PLAIN, None) for p in "qk"]
     out += [
         TensorMapping(f"{attn}.linear_proj.weight", (f"{layer}.self_attn.o_proj.weight",),
                       True, PLAIN, 1),
@@ -99,6 +104,8 @@ def mcore_shape(m: TensorMapping, arch: ModelArch) -> tuple[int, ...]:
         return (h, f)
     if key == "output_layer.weight":
         return (1, h)
+    if key.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return (d,)
     return (h,)
 
 

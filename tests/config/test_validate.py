@@ -61,6 +61,27 @@ def test_heads_are_read_from_the_checkpoint_config_when_a_path_is_given(tmp_path
         check([f"model.path={tmp_path}", "parallel.tp=2"])
 
 
+def _write_hf_config(path, variant, **changes):
+    from tests.models.tiny_hf import COMMON, VARIANTS, hf_classes
+
+    family, overrides = VARIANTS[variant]
+    config_cls, lm_cls, _ = hf_classes(family)
+    raw = config_cls(**{**COMMON, **overrides, **changes}).to_dict()
+    raw["architectures"] = [lm_cls.__name__]
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def test_a_qwen3_checkpoint_is_accepted_and_its_options_checked(tmp_path):
+    _write_hf_config(tmp_path, "qwen3-untied", max_position_embeddings=512)
+    check([f"model.path={tmp_path}", "parallel.tp=2"], world_size=2)
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 does not divide the model's 2 KV heads"):
+        check([f"model.path={tmp_path}", "parallel.tp=4"])
+    _write_hf_config(tmp_path, "qwen3-untied", attention_bias=True)
+    with pytest.raises(ConfigError, match=r"model.path: .*unsupported Qwen3ForCausalLM option: "
+                                          r"attention_bias=true"):
+        check([f"model.path={tmp_path}"])
+
+
 def test_model_path_without_config_json_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="has no config.json"):
         check([f"model.path={tmp_path}"])

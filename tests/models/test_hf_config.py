@@ -28,6 +28,7 @@ def test_tiny_variants_are_read_with_their_hf_values():
         assert arch.rms_norm_eps == pytest.approx(3e-5)
         assert arch.tie_word_embeddings == overrides["tie_word_embeddings"]
         assert arch.qkv_bias == (family == "qwen2")
+        assert arch.qk_norm == (family == "qwen3")
         assert arch.padded_vocab_size % 128 == 0 and arch.padded_vocab_size >= arch.vocab_size
     llama3 = spec_from_hf_config(_hf_config("llama-tied").to_dict()).arch
     assert llama3.rope_theta == 50000.0 and llama3.rope_scaling.rope_type == "llama3"
@@ -74,6 +75,10 @@ def test_rope_inverse_frequencies_equal_hf(rope):
     ("mistral-untied", {"sliding_window": 64}, "sliding-window attention (sliding_window=64"),
     ("qwen2-tied", {"use_sliding_window": True, "sliding_window": 64}, "sliding-window attention"),
     ("llama-untied", {"attention_bias": True}, "attention_bias=true"),
+    ("qwen3-untied", {"attention_bias": True}, "attention_bias=true"),
+    ("qwen3-untied", {"use_sliding_window": True, "sliding_window": 64,
+                      "layer_types": ["full_attention", "sliding_attention"]},
+     "sliding-window attention"),
     ("llama-untied", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("llama-untied", {"architectures": ["LlamaForSequenceClassification"], "num_labels": 3},
      "with 3 labels (supported: a single score"),
