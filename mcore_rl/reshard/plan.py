@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from mcore_rl.errors import UsageError
 from mcore_rl.models.arch import ModelArch
 from mcore_rl.models.mapping import GATE_UP, QKV, VOCAB, TensorMapping, hf_shapes, tensor_mappings
 from mcore_rl.wire import DTYPE_NAMES, align, engine_module
@@ -178,7 +179,11 @@ class ReshardPlan:
     def build(cls, holdings: list[Holding], arch: ModelArch, bucket_bytes: int,
               wire_dtype: torch.dtype = torch.float32, head: str = "lm") -> "ReshardPlan":
         """Plan from every rank's holdings. Raises ValueError unless the main replicas tile
-        every HF tensor exactly once."""
+        every HF tensor exactly once, `UsageError` for a mixture-of-experts model (expert
+        tensors are not planned yet)."""
+        if arch.is_moe:
+            raise UsageError(f"weight sync of mixture-of-experts models ({arch.num_experts} "
+                             "experts per layer) into a rollout engine is not supported yet")
         mappings = {m.mcore_key: m for m in tensor_mappings(arch, head)}
         shapes = {n: s for m in mappings.values()
                   for layer in (range(arch.num_layers) if m.per_layer else [None])
