@@ -17,6 +17,14 @@ in the model dtype, so fp32 models agree to round-off and bf16 ones differ by th
 the logits). Dropless (no capacity factor). Experts run one MLP each (``SequentialMLP``; no
 grouped GEMM, which needs CUDA kernels), and the expert output is the routing-weighted sum
 of the chosen experts' SwiGLU outputs, as in HF.
+
+Load-balancing loss (``aux_loss_coef`` > 0): Megatron's, added by every MoE layer on its own
+micro-batch tokens: ``coef * E * sum_i f_i * P_i`` with ``f_i`` the share of the T*k routing
+slots that chose expert i and ``P_i`` the mean over tokens of expert i's softmax probability
+(over all experts). HF's ``load_balancing_loss_func`` (``router_aux_loss_coef``) differs: it
+does not divide by k (one layer's HF value is k times Megatron's), and it pools the tokens of
+all layers into one sum instead of adding one loss per layer. The coefficient is therefore
+not HF's ``router_aux_loss_coef`` and is not read from the checkpoint.
 """
 from __future__ import annotations
 
