@@ -30,7 +30,8 @@ def rank_main(cfg: RLConfig) -> None:
     p = cfg.parallel
     init_process_group(p.backend)
     peers = run_preflight(timeout_s=cfg.launch.preflight_timeout_s, device=_device())
-    ctx = initialize_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed, backend=p.backend)
+    ctx = initialize_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, seed=cfg.train.seed,
+                              backend=p.backend)
     if ctx.rank == 0:
         print(f"mcore-rl: {ctx.world_size} rank(s), layout {ctx.layout}, device {ctx.device.type}; "
               f"preflight ok: {describe(peers)}", flush=True)

@@ -54,10 +54,27 @@ class ParallelConfig:
     """Virtual pipeline stages per PP rank (interleaved 1F1B); pp*vpp must divide layers."""
     dp: int | None = None
     """Data-parallel size; None: world size / (tp*pp)."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models): the experts of every layer are split
+    over ep ranks; must divide the number of experts, and ep*etp the tp*dp ranks of a
+    pipeline stage."""
+    etp: int | None = None
+    """Tensor-parallel size inside each expert; None: tp (Megatron's default)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto: nccl with CUDA, gloo without."""
     cpu_threads_per_rank: int = 1
     """OMP/torch threads per rank on CPU (ranks share the cores)."""
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts layers (Qwen3-MoE, Mixtral); ignored for dense models."""
+
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """Megatron token dispatcher that sends tokens to the ranks holding their experts (both
+    run on gloo and give the same results)."""
+    aux_loss_coef: float = 0.0
+    """Coefficient of Megatron's load-balancing loss; 0 turns it off."""
 
 
 @dataclass
@@ -356,6 +373,8 @@ class RLConfig:
     """The policy model."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout of the trainer."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Expert layers."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
     reshard: ReshardConfig = field(default_factory=ReshardConfig)

@@ -21,6 +21,9 @@ class ModelShape:
     num_attention_heads: int
     num_kv_heads: int
     max_position_embeddings: int
+    num_experts: int = 0
+    """Routed experts per layer; 0 for a dense model."""
+    moe_intermediate_size: int = 0
 
 
 def model_shape(cfg: RLConfig) -> ModelShape:
@@ -47,7 +50,7 @@ def model_shape(cfg: RLConfig) -> ModelShape:
     except UsageError as err:
         raise ConfigError(f"model.path: {m.path}: {err}") from None
     return ModelShape(arch.num_layers, arch.num_attention_heads, arch.num_kv_heads,
-                      arch.max_position_embeddings)
+                      arch.max_position_embeddings, arch.num_experts, arch.moe_intermediate_size)
 
 
 def _divisors(n: int) -> str:
@@ -86,8 +89,22 @@ def validate_layout(cfg: RLConfig, world_size: int | None = None,
                 f"{shape.num_layers} layers; each virtual stage needs a whole number of layers")
     if p.dp is not None and p.dp < 1:
         raise ConfigError(f"parallel.dp must be >= 1 or null, got {p.dp}")
+    _validate_experts(cfg, shape)
     if world_size is None:
         return p.dp or 1
+    dp = _data_parallel_size(cfg, world_size)
+    if shape.num_experts:
+        etp = p.tp if p.etp is None else p.etp
+        if (dp * p.tp) % (p.ep * etp):
+            raise ConfigError(
+                f"parallel: ep*etp = {p.ep}*{etp} does not divide the {dp * p.tp} ranks of a "
+                f"pipeline stage (world size {world_size} / pp {p.pp}); Megatron places each "
+                "expert group inside one stage: lower parallel.ep or launch more ranks")
+    return dp
+
+
+def _data_parallel_size(cfg: RLConfig, world_size: int) -> int:
+    p = cfg.parallel
     model_parallel = p.tp * p.pp
     if p.dp is not None:
         if model_parallel * p.dp != world_size:
@@ -102,12 +119,42 @@ def validate_layout(cfg: RLConfig, world_size: int | None = None,
     return world_size // model_parallel
 
 
+def _validate_experts(cfg: RLConfig, shape: ModelShape) -> None:
+    """parallel.ep / parallel.etp against the model's experts."""
+    p = cfg.parallel
+    if p.ep < 1 or (p.etp is not None and p.etp < 1):
+        raise ConfigError(f"parallel.ep and parallel.etp must be >= 1, got {p.ep} and {p.etp}")
+    if not shape.num_experts:
+        if p.ep > 1 or p.etp is not None:
+            raise ConfigError(f"parallel.ep={p.ep}, parallel.etp={p.etp}: expert parallelism "
+                              "needs a mixture-of-experts model and this one is dense; set "
+                              "parallel.ep=1 and parallel.etp=null")
+        return
+    if shape.num_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide the model's {shape.num_experts} "
+                          f"experts; choose one of {_divisors(shape.num_experts)}")
+    etp = p.tp if p.etp is None else p.etp
+    if shape.moe_intermediate_size % etp:
+        raise ConfigError(f"parallel.etp={etp} does not divide the model's expert FFN size "
+                          f"{shape.moe_intermediate_size}; choose one of "
+                          f"{_divisors(shape.moe_intermediate_size)}")
+    if p.tp > 1:
+        raise ConfigError(f"parallel.tp={p.tp} with a mixture-of-experts model: Megatron trains "
+                          "expert layers under tensor parallelism only with sequence "
+                          "parallelism, which mcore-rl does not run yet; split the experts with "
+                          "parallel.ep instead (parallel.tp=1)")
+
+
 def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
     """All checks that need no rank: ranges, layout, cross-field; raises `ConfigError` on
     the first problem."""
     check_ranges(cfg)
     shape = model_shape(cfg)
     validate_layout(cfg, world_size, shape)
+    if shape.num_experts:
+        raise ConfigError(f"model.path: {cfg.model.path} is a mixture-of-experts model, which "
+                          "mcore-rl converts and runs but cannot train yet (expert weights do not "
+                          "sync into the rollout engine); train a dense model")
     r = cfg.rollout
     if r.min_new_tokens > r.max_new_tokens:
         raise ConfigError(f"rollout.min_new_tokens={r.min_new_tokens} exceeds rollout.max_new_tokens="

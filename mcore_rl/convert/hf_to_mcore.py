@@ -22,7 +22,9 @@ from mcore_rl.models.checkpoint import (DTYPE_NAMES, HF_DIR, MODEL_DIR, TORCH_DT
                                         CheckpointMeta, copy_hf_side_files, write_checkpoint_meta)
 from mcore_rl.models.hf_config import ModelSpec, load_hf_spec
 from mcore_rl.models.hf_weights import HFWeightSource
-from mcore_rl.models.mapping import EXTRA_STATE_KEYS, mcore_shape, tensor_mappings, tp_chunks
+from mcore_rl.models.arch import ModelArch
+from mcore_rl.models.mapping import (EXPERT_EXTRA_STATE_KEYS, EXTRA_STATE_KEYS, mcore_shape,
+                                     tensor_mappings, tp_chunks)
 from mcore_rl.models.provider import check_layout
 
 
@@ -30,22 +32,26 @@ def plan_chunks(spec: ModelSpec, tp: int, dtype: torch.dtype) -> list[TensorChun
     """Every chunk of a checkpoint saved by Megatron at TP ``tp``, in HF file order."""
     arch, chunks = spec.arch, []
     for m in tensor_mappings(arch, spec.head):
-        shape = mcore_shape(m, arch)
-        layers = range(arch.num_layers) if m.per_layer else [None]
-        for layer in layers:
+        shape, stack = mcore_shape(m, arch), m.stack_shape(arch)
+        for index in m.instances(arch):
             for offsets, sizes in tp_chunks(m, arch, tp):
-                if layer is None:
-                    chunks.append(TensorChunk(m.mcore_key, shape, offsets, sizes, dtype))
-                else:
-                    chunks.append(TensorChunk(m.mcore_key, (arch.num_layers, *shape),
-                                              (layer, *offsets), (1, *sizes), dtype))
+                chunks.append(TensorChunk(m.mcore_key, (*stack, *shape), (*index, *offsets),
+                                          (1,) * len(index) + tuple(sizes), dtype))
     return chunks
 
 
-def extra_state_objects(num_layers: int) -> dict[str, object]:
-    """Megatron's per-layer linear-layer extra states (empty: ``[None]``), by stored name."""
-    return {f"{key}/shard_{layer}_{num_layers}": [None]
-            for layer in range(num_layers) for key in EXTRA_STATE_KEYS}
+def extra_state_objects(arch: ModelArch) -> dict[str, object]:
+    """Megatron's linear-layer extra states (empty: ``[None]``), by stored name: one per
+    layer (``shard_{layer}_{L}``), and one per layer and expert for expert layers
+    (``shard_{layer}.{expert}_{L}.{E}``)."""
+    L, E = arch.num_layers, arch.num_experts
+    keys = [k for k in EXTRA_STATE_KEYS if not (arch.is_moe and k.startswith("decoder.layers.mlp"))]
+    out: dict[str, object] = {f"{key}/shard_{layer}_{L}": [None]
+                              for layer in range(L) for key in keys}
+    if arch.is_moe:
+        out.update({f"{key}/shard_{layer}.{e}_{L}.{E}": [None]
+                    for layer in range(L) for e in range(E) for key in EXPERT_EXTRA_STATE_KEYS})
+    return out
 
 
 def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
@@ -77,7 +83,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: in
                           progress) as bar:
             DCPWriter(tmp / MODEL_DIR).write(
                 chunks, lambda c: source.read(c.key, c.offsets, c.sizes),
-                objects=extra_state_objects(spec.arch.num_layers),
+                objects=extra_state_objects(spec.arch),
                 on_chunk=lambda c: bar.update(c.nbytes))
         copy_hf_side_files(hf_dir, tmp / HF_DIR)
         write_checkpoint_meta(tmp, CheckpointMeta(spec=spec, dtype=dtype,

@@ -30,10 +30,11 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 @dataclass
 class _Group:
-    """The HF tensors made from one Megatron tensor of one layer (written to the same file)."""
+    """The HF tensors made from one Megatron tensor of one layer or expert (one file)."""
 
     mapping: TensorMapping
-    layer: int | None
+    index: tuple[int, ...]
+    """(), (layer,) or (layer, expert)."""
     names: list[str]
     shapes: list[tuple[int, ...]]
     dtype: torch.dtype
@@ -51,7 +52,7 @@ def _plan_groups(meta: CheckpointMeta, reader: DCPReader) -> list[_Group]:
     groups = []
     for m in tensor_mappings(arch, meta.spec.head):
         shape = mcore_shape(m, arch)
-        expected = (arch.num_layers, *shape) if m.per_layer else shape
+        expected = (*m.stack_shape(arch), *shape)
         if m.mcore_key not in stored:
             raise UsageError(f"checkpoint does not match its {meta.spec.hf_architecture} "
                              f"metadata: {m.mcore_key} is missing")
@@ -59,8 +60,8 @@ def _plan_groups(meta: CheckpointMeta, reader: DCPReader) -> list[_Group]:
             raise UsageError(f"checkpoint does not match its metadata: {m.mcore_key} has shape "
                              f"{list(stored[m.mcore_key].size)}, expected {list(expected)}")
         dtype = stored[m.mcore_key].properties.dtype
-        for layer in range(arch.num_layers) if m.per_layer else [None]:
-            groups.append(_Group(m, layer, m.hf_names_for(layer), hf_shapes(m, arch), dtype))
+        for index in m.instances(arch):
+            groups.append(_Group(m, index, m.hf_names_at(index), hf_shapes(m, arch), dtype))
     return groups
 
 
@@ -123,11 +124,12 @@ def _write_shard(path: Path, shard: list[_Group], reader: DCPReader, arch: Model
     with SafetensorsWriter(path, specs) as writer:
         for group in shard:
             key = group.mapping.mcore_key
-            if group.layer is None:
+            if not group.index:
                 tensor = reader.read(key)
             else:
-                shape = mcore_shape(group.mapping, arch)
-                tensor = reader.read(key, (group.layer, *[0] * len(shape)), (1, *shape))[0]
+                shape, n = mcore_shape(group.mapping, arch), len(group.index)
+                tensor = reader.read(key, (*group.index, *[0] * len(shape)),
+                                     (1,) * n + shape).reshape(shape)
             for name, part in zip(group.names, to_hf(group.mapping, tensor, arch)):
                 writer.write(name, part)
             bar.update(group.nbytes)

@@ -80,6 +80,9 @@ def engine_params(arch: ModelArch, tp: int = 1, rank: int = 0) -> list[EnginePar
                 Source(f"{attn}.q_proj.{kind}", q0 * d, nq_r * d),
                 Source(f"{attn}.k_proj.{kind}", k0 * d, nk_r * d),
                 Source(f"{attn}.v_proj.{kind}", k0 * d, nk_r * d))))
+        if arch.qk_norm:  # per-head norms, replicated on every engine rank
+            out += [EngineParam(f"{attn}.{n}_norm.weight", (d,), 0,
+                                (Source(f"{attn}.{n}_norm.weight", 0, d),)) for n in "qk"]
         out += [
             EngineParam(f"{attn}.o_proj.weight", (h, nq_r * d), 1,
                         (Source(f"{attn}.o_proj.weight", q0 * d, nq_r * d),)),

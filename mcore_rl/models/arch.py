@@ -52,11 +52,30 @@ class ModelArch:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     """Bias on the Q, K and V projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm (weight [head_dim], eps ``rms_norm_eps``) over each query and key head before
+    RoPE (Qwen3)."""
+    num_experts: int = 0
+    """Routed experts per layer (mixture of experts in every layer); 0: a dense FFN."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """FFN inner size of one expert."""
+    norm_topk_prob: bool = True
+    """Routing weights: softmax over the top-k router logits (True; Mixtral always), or
+    softmax over all experts with the top-k probabilities kept as they are (False)."""
+    expert_naming: str = ""
+    """How the HF checkpoint names expert tensors, a key of
+    ``mcore_rl.models.mapping.EXPERT_NAMINGS`` (``qwen3_moe``, ``mixtral``)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities in training (HF's value; Megatron's default is 0.1)."""
     vocab_pad_multiple: int = 128
     """The embedding has ceil(vocab_size / multiple) * multiple rows, independent of TP.
     Stored with every checkpoint, so a checkpoint keeps its padded size at any TP."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def kv_channels(self) -> int:

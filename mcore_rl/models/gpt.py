@@ -11,16 +11,19 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.models.arch import ModelArch
+from mcore_rl.models.moe import MoeOptions, moe_config_fields
 from mcore_rl.parallel import ParallelContext, megatron_cpu_compat
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
-                             recompute: bool = False, init_weights: bool = True):
+                             recompute: bool = False, init_weights: bool = True,
+                             moe: MoeOptions | None = None):
     """Megatron ``TransformerConfig`` for ``arch``, with every HF-differing default explicit.
 
     ``init_weights=False`` skips random initialisation (weights are loaded right after).
+    ``moe``: how expert layers run (`mcore_rl.models.moe`); ignored for dense models.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -39,6 +42,7 @@ def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str =
         # Megatron defaults that differ from HF Llama/Qwen2/Mistral:
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=arch.attention_dropout,
         # HF computes the attention softmax in fp32 for bf16 models too.
@@ -61,11 +65,12 @@ def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str =
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        **moe_config_fields(arch, ctx.ep, ctx.expert_tp, moe),
         **megatron_cpu_compat.transformer_config_overrides(),
     )
 
 
-def layer_spec(transformer_engine: bool | None = None):
+def layer_spec(arch: ModelArch, transformer_engine: bool | None = None):
     """The TE spec when Transformer Engine and CUDA are present, else the local spec."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -74,13 +79,18 @@ def layer_spec(transformer_engine: bool | None = None):
 
         transformer_engine = transformer_engine_usable()
     if transformer_engine:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+            qk_layernorm=arch.qk_norm)
+    return specs.get_gpt_layer_local_spec(num_experts=arch.num_experts or None,
+                                          moe_grouped_gemm=False, normalization="RMSNorm",
+                                          qk_layernorm=arch.qk_norm)
 
 
 def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
                      recompute: bool = False, transformer_engine: bool | None = None,
-                     head: str = "lm", init_weights: bool = True, seed: int = 1234) -> list:
+                     head: str = "lm", init_weights: bool = True, seed: int = 1234,
+                     moe: MoeOptions | None = None) -> list:
     """This rank's model chunks (one per virtual pipeline stage; one without VPP).
 
     ``head="lm"``: GPTModel with vocabulary logits [b, s, Vp/tp] on the last stage.
@@ -95,8 +105,8 @@ def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
 
     if head not in ("lm", "score"):
         raise ValueError(f"head must be 'lm' or 'score', not {head!r}")
-    config = build_transformer_config(arch, ctx, dtype, recompute, init_weights)
-    spec = layer_spec(transformer_engine)
+    config = build_transformer_config(arch, ctx, dtype, recompute, init_weights, moe)
+    spec = layer_spec(arch, transformer_engine)
     n_chunks = ctx.vpp or 1
     chunks = []
     for vp_stage in range(n_chunks):

@@ -1,7 +1,8 @@
 """HF ``config.json`` -> `ModelSpec` (a `ModelArch`, its family, its head), or one clear error.
 
 Supported: the causal LM and the single-label ``*ForSequenceClassification`` class of every
-family in `MODEL_FAMILIES` (Llama incl. Llama 3 RoPE scaling, Qwen2/Qwen2.5, Mistral). Anything
+family in `MODEL_FAMILIES` (Llama incl. Llama 3 RoPE scaling, Qwen2/Qwen2.5, Qwen3,
+Qwen3-MoE, Mistral, Mixtral). Anything
 mcore-rl cannot reproduce exactly (another architecture, a RoPE type, sliding windows, biases
 HF's Llama can add...) raises `UsageError` with one line saying what is supported. Both the
 transformers 5 config layout (``rope_parameters``) and the 4.x one (``rope_theta`` +
@@ -83,6 +84,11 @@ def spec_from_hf_config(cfg: dict, vocab_pad_multiple: int = 128) -> ModelSpec:
     if missing:
         raise UsageError(f"config.json lacks {', '.join(missing)}")
     theta, scaling = _rope(cfg)
+    moe = family.moe_fields(cfg)
+    if moe and not (moe["num_experts"] > 0 and 0 < moe["experts_per_token"] <= moe["num_experts"]
+                    and moe["moe_intermediate_size"] > 0):
+        raise UsageError(f"{architecture}: config.json needs num_experts (or num_local_experts) "
+                         "> 0, 0 < num_experts_per_tok <= experts and an expert FFN size")
     heads = cfg["num_attention_heads"]
     arch = ModelArch(
         vocab_size=cfg["vocab_size"],
@@ -99,6 +105,8 @@ def spec_from_hf_config(cfg: dict, vocab_pad_multiple: int = 128) -> ModelSpec:
         # Absent means the class default, which is False for every supported family.
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias(cfg),
+        qk_norm=family.qk_norm(cfg),
+        **moe,
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
         vocab_pad_multiple=vocab_pad_multiple,
     )

@@ -43,8 +43,8 @@ class HFWeightSource:
         """`UsageError` unless the weights are exactly those the config describes."""
         expected: dict[str, tuple[int, ...]] = {}
         for m in self.mappings.values():
-            for layer in range(self.arch.num_layers) if m.per_layer else [None]:
-                expected.update(zip(m.hf_names_for(layer), hf_shapes(m, self.arch)))
+            for index in m.instances(self.arch):
+                expected.update(zip(m.hf_names_at(index), hf_shapes(m, self.arch)))
         problem = None
         for name, shape in expected.items():
             if name not in self.checkpoint:
@@ -67,35 +67,35 @@ class HFWeightSource:
     def stored_dtype(self) -> torch.dtype:
         return self.checkpoint.tensors["model.embed_tokens.weight"].dtype
 
-    def layer_tensor(self, key: str, layer: int | None) -> torch.Tensor:
-        """The whole Megatron tensor ``key`` of one layer (``layer`` None for non-layer keys)."""
-        if self._cached is not None and self._cached[0] == (key, layer):
+    def layer_tensor(self, key: str, index: tuple[int, ...] | int | None) -> torch.Tensor:
+        """The whole Megatron tensor ``key`` of one instance: ``(layer,)`` or
+        ``(layer, expert)`` (an int is a layer; None or () for non-layer keys)."""
+        if index is None or isinstance(index, int):
+            index = () if index is None else (index,)
+        if self._cached is not None and self._cached[0] == (key, index):
             return self._cached[1]
         m = self.mappings.get(key)
         if m is None:
             raise KeyError(f"{key} is not made from HF tensors of a {self.spec.hf_architecture}")
-        hf = [self.checkpoint.read(name) for name in m.hf_names_for(layer)]
+        hf = [self.checkpoint.read(name) for name in m.hf_names_at(index)]
         if self.dtype is not None:
             hf = [t.to(self.dtype) for t in hf]
         tensor = to_mcore(m, hf, self.arch)
-        self._cached = ((key, layer), tensor)
+        self._cached = ((key, index), tensor)
         return tensor
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        """Region ``offsets``/``sizes`` of global tensor ``key`` (layer axis first if stacked)."""
+        """Region ``offsets``/``sizes`` of global tensor ``key`` (stacked axes first: layer,
+        then expert for expert tensors; one index of each at a time)."""
         m = self.mappings.get(key)
         if m is None:
             raise KeyError(f"{key} is not made from HF tensors of a {self.spec.hf_architecture}")
-        if m.per_layer:
-            if sizes[0] != 1:
-                raise ValueError(f"read one layer of {key} at a time, not {sizes[0]}")
-            tensor = self.layer_tensor(key, offsets[0])
-            offsets, sizes = offsets[1:], sizes[1:]
-        else:
-            tensor = self.layer_tensor(key, None)
-        index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-        region = tensor[index]
-        return region.unsqueeze(0) if m.per_layer else region
+        stacked = len(m.stack_shape(self.arch))
+        if any(n != 1 for n in sizes[:stacked]):
+            raise ValueError(f"read one layer (and expert) of {key} at a time, not {sizes[:stacked]}")
+        tensor = self.layer_tensor(key, tuple(offsets[:stacked]))
+        index = tuple(slice(o, o + s) for o, s in zip(offsets[stacked:], sizes[stacked:]))
+        return tensor[index].reshape(sizes)
 
 
 def iter_sharded_tensors(chunk) -> Iterator:

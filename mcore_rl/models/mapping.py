@@ -14,6 +14,18 @@ Fusions (Megatron layout on the left):
 - ``linear_fc1`` [2f, h] is [gate; up]. Each TP rank holds [gate_t; up_t] (its rows of both),
   so the *global* tensor is [gate; up] and a local shard is [gate_t; up_t].
 - The embedding and an untied ``lm_head`` are padded from V to Vp rows with zeros.
+- Qwen3's per-head ``q_norm`` / ``k_norm`` [d] are Megatron's ``q_layernorm`` /
+  ``k_layernorm``, replicated on every TP rank.
+
+Mixture of experts (E experts of inner size fe, `EXPERT_NAMINGS` for the HF names):
+- the router ``mlp.router.weight`` [E, h] is HF's gate (``mlp.gate`` / Mixtral's
+  ``block_sparse_moe.gate``), replicated on every TP rank;
+- expert tensors are stacked on two leading axes, layer then *global* expert index
+  (``mlp.experts.experts.linear_fc1.weight`` [L, E, 2fe, h], ``linear_fc2`` [L, E, h, fe]):
+  Megatron's SequentialMLP keys every local expert by its global index, so the key and the
+  expert axis are the same at every EP size. Per expert, fc1 is [gate; up] and TP-split
+  like the dense fc1 (by the expert TP size); fc2 is row-parallel like the dense fc2;
+- the norm before the experts keeps the dense key (``mlp.linear_fc1.layer_norm_weight``).
 """
 from __future__ import annotations
 
@@ -40,9 +52,53 @@ class TensorMapping:
     """`PLAIN`, `QKV`, `GATE_UP` or `VOCAB` (row padding)."""
     tp_axis: int | None
     """Axis of the per-layer tensor that TP splits (None: replicated on every TP rank)."""
+    per_expert: bool = False
+    """Stacked over layers and then experts: two leading axes, num_layers and num_experts;
+    ``{expert}`` in ``hf_names`` stands for the (global) expert index."""
 
-    def hf_names_for(self, layer: int | None) -> list[str]:
-        return [name.format(layer=layer) for name in self.hf_names]
+    def hf_names_for(self, layer: int | None, expert: int | None = None) -> list[str]:
+        return [name.format(layer=layer, expert=expert) for name in self.hf_names]
+
+    def stack_shape(self, arch: ModelArch) -> tuple[int, ...]:
+        """The leading axes the Megatron tensor is stacked on: (), (L,) or (L, E)."""
+        if self.per_expert:
+            return (arch.num_layers, arch.num_experts)
+        return (arch.num_layers,) if self.per_layer else ()
+
+    def instances(self, arch: ModelArch) -> list[tuple[int, ...]]:
+        """Every index into the stacked axes: [()], [(layer,)...] or [(layer, expert)...]."""
+        if self.per_expert:
+            return [(l, e) for l in range(arch.num_layers) for e in range(arch.num_experts)]
+        return [(l,) for l in range(arch.num_layers)] if self.per_layer else [()]
+
+    def hf_names_at(self, index: tuple[int, ...]) -> list[str]:
+        """HF names of one instance (an index from `instances`)."""
+        return self.hf_names_for(*index) if index else self.hf_names_for(None)
+
+
+@dataclass(frozen=True)
+class ExpertNaming:
+    """HF names of one layer's router and experts (``{layer}``, ``{expert}`` placeholders)."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+
+
+EXPERT_NAMINGS: dict[str, ExpertNaming] = {
+    "qwen3_moe": ExpertNaming(
+        router="model.layers.{layer}.mlp.gate.weight",
+        gate="model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+        up="model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
+        down="model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"),
+    # Mixtral: w1 is the gate, w3 the up projection, w2 the down projection.
+    "mixtral": ExpertNaming(
+        router="model.layers.{layer}.block_sparse_moe.gate.weight",
+        gate="model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
+        up="model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",
+        down="model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight"),
+}
 
 
 def tensor_mappings(arch: ModelArch, head: str) -> list[TensorMapping]:
@@ -58,18 +114,34 @@ def tensor_mappings(arch: ModelArch, head: str) -> list[TensorMapping]:
     if arch.qkv_bias:
         out.append(TensorMapping(f"{attn}.linear_qkv.bias", tuple(n + ".bias" for n in qkv),
                                  True, QKV, 0))
+    if arch.qk_norm:
+        out += [TensorMapping(f"{attn}.{p}_layernorm.weight", (f"{layer}.self_attn.{p}_norm.weight",),
+                              True, PLAIN, None) for p in "qk"]
     out += [
         TensorMapping(f"{attn}.linear_proj.weight", (f"{layer}.self_attn.o_proj.weight",),
                       True, PLAIN, 1),
         TensorMapping(f"{mlp}.linear_fc1.layer_norm_weight",
                       (f"{layer}.post_attention_layernorm.weight",), True, PLAIN, None),
-        TensorMapping(f"{mlp}.linear_fc1.weight",
-                      (f"{layer}.mlp.gate_proj.weight", f"{layer}.mlp.up_proj.weight"),
-                      True, GATE_UP, 0),
-        TensorMapping(f"{mlp}.linear_fc2.weight", (f"{layer}.mlp.down_proj.weight",),
-                      True, PLAIN, 1),
-        TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",), False, PLAIN, None),
     ]
+    if arch.is_moe:
+        names, experts = EXPERT_NAMINGS[arch.expert_naming], f"{mlp}.experts.experts"
+        out += [
+            TensorMapping(f"{mlp}.router.weight", (names.router,), True, PLAIN, None),
+            TensorMapping(f"{experts}.linear_fc1.weight", (names.gate, names.up), True, GATE_UP,
+                          0, per_expert=True),
+            TensorMapping(f"{experts}.linear_fc2.weight", (names.down,), True, PLAIN, 1,
+                          per_expert=True),
+        ]
+    else:
+        out += [
+            TensorMapping(f"{mlp}.linear_fc1.weight",
+                          (f"{layer}.mlp.gate_proj.weight", f"{layer}.mlp.up_proj.weight"),
+                          True, GATE_UP, 0),
+            TensorMapping(f"{mlp}.linear_fc2.weight", (f"{layer}.mlp.down_proj.weight",),
+                          True, PLAIN, 1),
+        ]
+    out.append(TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",), False,
+                             PLAIN, None))
     if head == "score":
         out.append(TensorMapping("output_layer.weight", ("score.weight",), False, PLAIN, None))
     elif not arch.tie_word_embeddings:
@@ -80,11 +152,19 @@ def tensor_mappings(arch: ModelArch, head: str) -> list[TensorMapping]:
 EXTRA_STATE_KEYS = tuple(f"decoder.layers.{m}._extra_state" for m in (
     "self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2"))
 """Per-layer (empty) extra-state objects that Megatron's linear layers put in a checkpoint."""
+EXPERT_EXTRA_STATE_KEYS = tuple(f"decoder.layers.mlp.experts.experts.{m}._extra_state"
+                                for m in ("linear_fc1", "linear_fc2"))
+"""The same per layer and expert, for the experts' linear layers."""
+
+
+def ffn_size(m: TensorMapping, arch: ModelArch) -> int:
+    """FFN inner size of a gate/up or down tensor: one expert's for expert tensors."""
+    return arch.moe_intermediate_size if m.per_expert else arch.intermediate_size
 
 
 def mcore_shape(m: TensorMapping, arch: ModelArch) -> tuple[int, ...]:
-    """Global shape of one layer's (or a non-layer) Megatron tensor."""
-    h, d, f = arch.hidden_size, arch.kv_channels, arch.intermediate_size
+    """Global shape of one layer's (one expert's; or a non-layer) Megatron tensor."""
+    h, d, f = arch.hidden_size, arch.kv_channels, ffn_size(m, arch)
     key = m.mcore_key
     if m.fusion == QKV:
         rows = (arch.num_attention_heads + 2 * arch.num_kv_heads) * d
@@ -99,6 +179,10 @@ def mcore_shape(m: TensorMapping, arch: ModelArch) -> tuple[int, ...]:
         return (h, f)
     if key == "output_layer.weight":
         return (1, h)
+    if key.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return (d,)
+    if key.endswith("router.weight"):
+        return (arch.num_experts, h)
     return (h,)
 
 
@@ -110,7 +194,7 @@ def hf_shapes(m: TensorMapping, arch: ModelArch) -> list[tuple[int, ...]]:
         rows = [arch.num_attention_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d]
         return [(r, *shape[1:]) for r in rows]
     if m.fusion == GATE_UP:
-        return [(arch.intermediate_size, shape[1])] * 2
+        return [(ffn_size(m, arch), shape[1])] * 2
     if m.fusion == VOCAB:
         return [(arch.vocab_size, shape[1])]
     return [shape]
@@ -176,14 +260,15 @@ Region = tuple[tuple[int, ...], tuple[int, ...]]
 
 def tp_chunks(m: TensorMapping, arch: ModelArch, tp: int) -> list[Region]:
     """(offsets, sizes) of the pieces Megatron stores of one layer's tensor when saved at TP
-    ``tp``: one per TP rank, two for ``linear_fc1`` (each rank's gate rows and up rows)."""
+    ``tp`` (the expert TP size for expert tensors): one per TP rank, two for ``linear_fc1``
+    (each rank's gate rows and up rows)."""
     shape = mcore_shape(m, arch)
     if m.tp_axis is None:
         return [((0,) * len(shape), shape)]
     if m.fusion == GATE_UP:
-        rows = arch.intermediate_size // tp
-        return [((half * arch.intermediate_size + t * rows, 0), (rows, shape[1]))
-                for t in range(tp) for half in (0, 1)]
+        f = ffn_size(m, arch)
+        rows = f // tp
+        return [((half * f + t * rows, 0), (rows, shape[1])) for t in range(tp) for half in (0, 1)]
     axis, size = m.tp_axis, shape[m.tp_axis] // tp
     chunks = []
     for t in range(tp):

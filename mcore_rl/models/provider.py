@@ -33,16 +33,26 @@ class BuiltModel:
     role: str
 
 
-def check_layout(arch: ModelArch, tp: int, pp: int, vpp: int | None = None) -> None:
-    """`UsageError` (one line) unless ``arch`` splits over TP ``tp`` and PP ``pp`` x VPP."""
+def check_layout(arch: ModelArch, tp: int, pp: int, vpp: int | None = None, ep: int = 1,
+                 etp: int | None = None) -> None:
+    """`UsageError` (one line) unless ``arch`` splits over TP ``tp``, PP ``pp`` x VPP, and
+    (mixture of experts) EP ``ep`` x expert TP ``etp`` (None: ``tp``)."""
     problems = []
+    ffn = () if arch.is_moe else (("intermediate_size", arch.intermediate_size),)
     for name, value in (("num_attention_heads", arch.num_attention_heads),
-                        ("num_key_value_heads", arch.num_kv_heads),
-                        ("intermediate_size", arch.intermediate_size)):
+                        ("num_key_value_heads", arch.num_kv_heads), *ffn):
         if value % tp:
             problems.append(f"{name} {value}")
     if problems:
         raise UsageError(f"TP {tp} does not divide {' and '.join(problems)}")
+    etp = tp if etp is None else etp
+    if not arch.is_moe and ep > 1:
+        raise UsageError(f"EP {ep} needs a mixture-of-experts model; this one is dense")
+    if arch.is_moe and arch.num_experts % ep:
+        raise UsageError(f"EP {ep} does not divide the {arch.num_experts} experts")
+    if arch.is_moe and arch.moe_intermediate_size % etp:
+        raise UsageError(f"expert TP {etp} does not divide the expert FFN size "
+                         f"{arch.moe_intermediate_size}")
     stages = pp * (vpp or 1)
     if arch.num_layers % stages:
         raise UsageError(f"PP {pp}{f' x VPP {vpp}' if vpp else ''} does not divide "
@@ -63,10 +73,11 @@ def read_model_spec(source: str | Path) -> ModelSpec:
 
 def build_model(source: str | Path, ctx, role: str = "actor", dtype: str = "fp32",
                 recompute: bool = False, transformer_engine: bool | None = None,
-                seed: int = 1234) -> BuiltModel:
+                seed: int = 1234, moe=None) -> BuiltModel:
     """Build this rank's chunks for ``role`` and load their weights from ``source``.
 
     Collective when ``source`` is an mcore-rl checkpoint (Megatron's distributed load).
+    ``moe``: `mcore_rl.models.moe.MoeOptions` for expert layers (default options if None).
     """
     from mcore_rl.models.checkpoint import is_mcore_checkpoint, load_mcore_weights
     from mcore_rl.models.gpt import DTYPES, build_gpt_chunks
@@ -86,9 +97,9 @@ def build_model(source: str | Path, ctx, role: str = "actor", dtype: str = "fp32
     arch = source_spec.arch
     if not is_checkpoint:  # a checkpoint keeps its padded size; an HF model gets one for this TP
         arch = arch.with_vocab_multiple_for_tp(ctx.tp)
-    check_layout(arch, ctx.tp, ctx.pp, ctx.vpp)
+    check_layout(arch, ctx.tp, ctx.pp, ctx.vpp, ctx.ep, ctx.expert_tp)
     chunks = build_gpt_chunks(arch, ctx, dtype, recompute, transformer_engine, head=head,
-                              init_weights=False, seed=seed)
+                              init_weights=False, seed=seed, moe=moe)
     fresh_head = ("output_layer.weight",) if head != source_spec.head else ()
     if is_checkpoint:
         load_mcore_weights(chunks, source, skip_keys=fresh_head)

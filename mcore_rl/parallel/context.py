@@ -23,14 +23,25 @@ class Layout:
     pp: int = 1
     dp: int = 1
     vpp: int | None = None
+    ep: int = 1
+    """Expert-parallel size: the experts of a mixture-of-experts layer are split over ep
+    ranks (Megatron carves it out of the ranks of one pipeline stage: tp x dp)."""
+    etp: int | None = None
+    """Tensor-parallel size inside each expert; None: ``tp`` (Megatron's default)."""
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
     def __str__(self) -> str:
         vpp = f"xVPP{self.vpp}" if self.vpp else ""
-        return f"TP{self.tp}xPP{self.pp}{vpp}xDP{self.dp}"
+        ep = f"xEP{self.ep}" if self.ep > 1 else ""
+        etp = f"xETP{self.etp}" if self.etp is not None and self.etp != self.tp else ""
+        return f"TP{self.tp}xPP{self.pp}{vpp}xDP{self.dp}{ep}{etp}"
 
 
 @dataclass
@@ -74,6 +85,14 @@ class ParallelContext:
     @property
     def vpp(self) -> int | None:
         return self.layout.vpp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def expert_tp(self) -> int:
+        return self.layout.expert_tp
 
     @property
     def is_first_stage(self) -> bool:

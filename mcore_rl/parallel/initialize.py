@@ -46,16 +46,18 @@ def init_process_group(backend: str = "auto", timeout_minutes: int = 30) -> None
 
 
 def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 1,
-                        vpp: int | None = None, seed: int = 1234,
-                        backend: str = "auto") -> ParallelContext:
+                        vpp: int | None = None, ep: int = 1, etp: int | None = None,
+                        seed: int = 1234, backend: str = "auto") -> ParallelContext:
     """Initialise distributed state for ``layout`` (dp inferred from the world size).
 
     Applies the Megatron CPU compatibility layer when CUDA is unavailable, builds Megatron's
-    TP/PP/DP groups and seeds its RNG tracker. Returns the `ParallelContext` that the rest
+    TP/PP/DP groups (and expert groups: ``ep`` experts-parallel ranks, ``etp`` tensor-parallel
+    ranks inside an expert, carved out of the tp x dp ranks of a stage) and seeds its RNG
+    tracker. Returns the `ParallelContext` that the rest
     of mcore-rl receives as an argument.
     """
     if layout is not None:
-        tp, pp, vpp = layout.tp, layout.pp, layout.vpp
+        tp, pp, vpp, ep, etp = layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp
     init_process_group(backend)
     world = dist.get_world_size()
     if world % (tp * pp):
@@ -63,7 +65,10 @@ def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 
     dp = world // (tp * pp)
     if layout is not None and layout.dp != dp:
         raise ValueError(f"layout {layout} needs {layout.world_size} ranks, world has {world}")
-    layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp)
+    layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep, etp=etp)
+    if (world // pp) % (ep * layout.expert_tp):
+        raise ValueError(f"ep*etp = {ep}*{layout.expert_tp} does not divide the {world // pp} "
+                         f"ranks of a pipeline stage")
     cpu = not torch.cuda.is_available()
     if cpu:
         megatron_cpu_compat.apply()
@@ -77,6 +82,8 @@ def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         # gloo duplicates of every group are only needed by the distributed optimizer's
         # CPU checkpoint path; on CPU the main groups are gloo already.
         create_gloo_process_groups=not cpu,

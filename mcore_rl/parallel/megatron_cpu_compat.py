@@ -23,6 +23,16 @@ What it does:
 - Megatron's RNG tracker helpers ``_get_cuda_rng_state``/``_set_cuda_rng_state`` use the CPU
   generator, so ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()``
   work (CPU generator states per tracker name).
+- Backward passes: torch runs a custom autograd function's ``backward`` with no torch
+  function mode active, so the backward of Megatron's own autograd functions (the
+  sequence-parallel all-gather and reduce-scatter, the MoE all-to-all) would allocate on
+  ``torch.cuda.current_device()``. ``BackwardCFunction.apply`` enters the mode for functions
+  defined in ``megatron.*`` only.
+- Mixture of experts: ``moe_utils`` refers to Transformer Engine's ``te_general_gemm`` (and
+  fused permute/router kernels) even when TE is absent; they are set to None, the value the
+  code tests for. The all-to-all token dispatcher makes a CUDA side stream for its
+  device-to-host copies of the token counts; on CPU those counts already live on the host,
+  so the stream is a stand-in and the copy step converts them in place (numpy splits).
 
 Every patched target is listed in `PATCHED_TARGETS` with a fingerprint of its source;
 ``tests/parallel/test_megatron_cpu_compat.py`` fails loudly when megatron-core's version or
@@ -65,6 +75,11 @@ PATCHED_TARGETS: dict[tuple[str, str], str] = {
     ("megatron.core.optimizer.optimizer",
      "Float16OptimizerWithFloat16Params.__init__"): "1d470dedcf8e",
     ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__"): "9a3397b649b9",
+    ("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction.forward"): "dcba4f9f02b3",
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.__init__"): "dfafd17183db",
+    ("megatron.core.transformer.moe.token_dispatcher",
+     "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"): "306811df7107",
+    ("torch.autograd.function", "BackwardCFunction.apply"): "591cc9871c0a",
 }
 
 _applied = False
@@ -186,6 +201,67 @@ def _enter_mode_in_every_thread() -> None:
     threading.Thread.run = run_with_mode  # type: ignore[method-assign]
 
 
+def _enter_mode_in_megatron_backward() -> None:
+    """Run the backward of autograd functions defined in megatron.* under the mode."""
+    from torch.autograd.function import BackwardCFunction
+
+    original_apply = BackwardCFunction.apply
+
+    @functools.wraps(original_apply)
+    def apply_with_mode(self, *args):
+        if getattr(self._forward_cls, "__module__", "").startswith("megatron."):
+            with MegatronCudaToCpuMode():
+                return original_apply(self, *args)
+        return original_apply(self, *args)
+
+    apply_with_mode.__mcore_rl_original__ = original_apply  # type: ignore[attr-defined]
+    BackwardCFunction.apply = apply_with_mode  # type: ignore[method-assign]
+
+
+# Names moe_utils imports from Transformer Engine and checks against None before use.
+_TE_NAMES_IN_MOE_UTILS = (
+    "te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss",
+    "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function", "fused_unpermute")
+
+
+class _HostStream:
+    """Stands in for the all-to-all dispatcher's CUDA side stream (never used on CPU)."""
+
+    def record_event(self):  # pragma: no cover - the CPU copy step below records nothing
+        raise RuntimeError("no CUDA stream on CPU")
+
+
+def _as_host_splits(value):
+    """What Megatron's device-to-host copy makes of a split-size tensor: a numpy array (on
+    CPU its own helper leaves tensors as they are, which ``all_to_all_single`` refuses)."""
+    return value.numpy() if torch.is_tensor(value) else value
+
+
+def _host_dtoh_and_synchronize(self, point: str, tokens_per_expert=None):
+    """CPU version of ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``: the same
+    conversions at the same point, without a stream or an event (nothing is on a device)."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        self.input_splits = _as_host_splits(self.input_splits)
+        self.output_splits = _as_host_splits(self.output_splits)
+        self.output_splits_tp = _as_host_splits(self.output_splits_tp)
+    return tokens_per_expert
+
+
+def _apply_moe() -> None:
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import token_dispatcher as dispatchers
+
+    for name in _TE_NAMES_IN_MOE_UTILS:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+    a2a = dispatchers.MoEAlltoAllTokenDispatcher
+    if a2a.cuda_dtoh_stream is None:
+        a2a.cuda_dtoh_stream = _HostStream()
+    a2a._maybe_dtoh_and_synchronize = _replacing(a2a._maybe_dtoh_and_synchronize,
+                                                 _host_dtoh_and_synchronize)
+
+
 def check_megatron_version() -> str:
     import megatron.core
 
@@ -221,6 +297,8 @@ def apply() -> bool:
                                   ("_set_cuda_rng_state", _cpu_set_rng_state)):
             setattr(mrandom, name, _replacing(getattr(mrandom, name), replacement))
         _enter_mode_in_every_thread()
+        _enter_mode_in_megatron_backward()
+        _apply_moe()
         _applied = True
         log.info("Megatron-Core CPU compatibility layer applied")
         return True

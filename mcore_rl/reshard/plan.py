@@ -19,6 +19,10 @@ What it writes, per Megatron tensor (one layer):
   tensor: vocabulary padding is stripped by not writing it.
 - row-parallel ``linear_proj`` / ``linear_fc2`` [h, n/tp] -> column blocks (axis 1), joined
   by the reader; everything else is written whole by its one main holder.
+- experts (mixture of experts): each holding is one expert of one layer (Megatron's sharded
+  state dict stacks them on a layer and a global expert axis), cut like the dense fc1/fc2
+  into that expert's HF ``gate``/``up``/``down`` tensors; the EP rank holding the expert
+  writes it.
 
 No TP gather happens on the trainer: every TP rank writes its own shard straight into the
 shared bucket, where axis-0 pieces land back to back and form the HF tensor in place. Only
@@ -46,7 +50,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from mcore_rl.models.arch import ModelArch
-from mcore_rl.models.mapping import GATE_UP, QKV, VOCAB, TensorMapping, hf_shapes, tensor_mappings
+from mcore_rl.models.mapping import (GATE_UP, QKV, VOCAB, TensorMapping, ffn_size, hf_shapes,
+                                     tensor_mappings)
 from mcore_rl.wire import DTYPE_NAMES, align, engine_module
 
 
@@ -65,6 +70,15 @@ class Holding:
     """Shape of the region (the rank's local tensor)."""
     main: bool
     """Megatron's main replica: the one holder that sends this region."""
+    expert: int | None = None
+    """Global expert index of an expert tensor (its second stacked axis), else None."""
+
+    @property
+    def view_key(self) -> tuple:
+        """How a rank finds the tensor of this holding among its views."""
+        if self.expert is None:
+            return (self.key, self.layer, self.offsets)
+        return (self.key, self.layer, self.expert, self.offsets)
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,7 @@ class Bucket:
 
 def _cuts(h: Holding, m: TensorMapping, arch: ModelArch) -> list[tuple[str, tuple, int, int, tuple]]:
     """(hf name, select, axis, start, shape) of the HF pieces one holding contains."""
-    names = m.hf_names_for(h.layer)
+    names = m.hf_names_for(h.layer, h.expert)
     rest = h.shape[1:]
     if m.fusion == QKV:
         d, qpg = arch.kv_channels, arch.num_attention_heads // arch.num_kv_heads
@@ -142,7 +156,7 @@ def _cuts(h: Holding, m: TensorMapping, arch: ModelArch) -> list[tuple[str, tupl
         return [(name, ("qkv", a, b), 0, start, (groups * (b - a), *rest))
                 for name, (a, b, start) in zip(names, parts)]
     if m.fusion == GATE_UP:
-        f, r0 = arch.intermediate_size, h.offsets[0]
+        f, r0 = ffn_size(m, arch), h.offsets[0]
         name, start = (names[0], r0) if r0 < f else (names[1], r0 - f)
         return [(name, ("all",), 0, start, h.shape)]
     if m.fusion == VOCAB:
@@ -159,8 +173,10 @@ def _hf_order(arch: ModelArch, head: str) -> list[str]:
              for n in m.hf_names_for(None)]
     last = [n for m in mappings if not m.per_layer and not m.mcore_key.startswith("embedding")
             for n in m.hf_names_for(None)]
+    experts = range(arch.num_experts)
     layers = [n for layer in range(arch.num_layers) for m in mappings if m.per_layer
-              for n in m.hf_names_for(layer)]
+              for expert in (experts if m.per_expert else [None])
+              for n in m.hf_names_for(layer, expert)]
     return first + layers + last
 
 
@@ -180,9 +196,8 @@ class ReshardPlan:
         """Plan from every rank's holdings. Raises ValueError unless the main replicas tile
         every HF tensor exactly once."""
         mappings = {m.mcore_key: m for m in tensor_mappings(arch, head)}
-        shapes = {n: s for m in mappings.values()
-                  for layer in (range(arch.num_layers) if m.per_layer else [None])
-                  for n, s in zip(m.hf_names_for(layer), hf_shapes(m, arch))}
+        shapes = {n: s for m in mappings.values() for index in m.instances(arch)
+                  for n, s in zip(m.hf_names_at(index), hf_shapes(m, arch))}
         pieces: dict[str, list[Piece]] = {n: [] for n in shapes}
         for h in holdings:
             if h.main and h.key in mappings:

@@ -23,7 +23,7 @@ def pointers(params) -> tuple[int, ...]:
 
 def local_holdings(chunks: list, rank: int) -> tuple[list[Holding], dict[tuple, torch.Tensor]]:
     """What this rank holds (per Megatron's sharded state dict) and views of those tensors,
-    by ``(key, layer, offsets)``."""
+    by `Holding.view_key`."""
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
     from mcore_rl.models.hf_weights import iter_sharded_tensors
@@ -31,17 +31,18 @@ def local_holdings(chunks: list, rank: int) -> tuple[list[Holding], dict[tuple, 
     holdings, views = [], {}
     for chunk in chunks:
         for sh in iter_sharded_tensors(unwrap(chunk)):
-            n = sh.prepend_axis_num
+            n = sh.prepend_axis_num  # 1: stacked over layers; 2: over layers, then experts
             layer = int(sh.global_offset[0]) if n else None
+            expert = int(sh.global_offset[1]) if n == 2 else None
             offsets = tuple(int(o) for o in sh.global_offset[n:])
             h = Holding(rank, sh.key, layer, offsets, tuple(int(s) for s in sh.local_shape),
-                        is_main_replica(sh.replica_id))
+                        is_main_replica(sh.replica_id), expert)
             holdings.append(h)
-            views[(h.key, h.layer, h.offsets)] = sh.data.reshape(h.shape)
+            views[h.view_key] = sh.data.reshape(h.shape)
     return holdings, views
 
 
 def piece_source(piece: Piece, views: dict) -> torch.Tensor:
     """The part of a holding's tensor (``views``: `local_holdings`) that ``piece`` is made of."""
     h = piece.holding
-    return piece.cut(views[(h.key, h.layer, h.offsets)])
+    return piece.cut(views[h.view_key])

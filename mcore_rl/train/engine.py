@@ -126,7 +126,23 @@ class TrainEngine:
         lens = batch.seq_lens
         mine = split_for_data_parallel(lens, self.ctx.dp)[self.ctx.dp_rank]
         multiple = self.ctx.pp if self.ctx.vpp else 1
-        return pack_micro_batches(lens, mine, self.micro_batch_tokens, multiple_of=multiple)
+        plan = pack_micro_batches(lens, mine, self.micro_batch_tokens, multiple_of=multiple)
+        if self._experts_across_ranks:
+            # Every micro-batch's expert layers exchange tokens with the other EP ranks, so
+            # all ranks run as many micro-batches (the extra ones are all padding, no loss).
+            count = self._max_over_dp(len(plan))
+            plan += [[] for _ in range(count - len(plan))]
+        return plan
+
+    @property
+    def _experts_across_ranks(self) -> bool:
+        return bool(getattr(self.model[0].config, "num_moe_experts", None)) and self.ctx.ep > 1
+
+    def _max_over_dp(self, *values: int) -> int | tuple[int, ...]:
+        t = torch.tensor(values, dtype=torch.long)
+        if self.ctx.dp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)
+        return int(t[0]) if len(values) == 1 else tuple(int(v) for v in t)
 
     def _run_schedule(self, batch: Batch, plan: list[list[int]], step_fn, forward_only: bool,
                       collect: bool) -> list:
@@ -139,6 +155,12 @@ class TrainEngine:
             # micro-batch one shape, filling with all-padding rows that carry no loss.
             rows, T = max(len(m) for m in micro), max(m.num_tokens for m in micro)
             micro = [m.padded_to(rows, T) for m in micro]
+            uniform = True
+        elif self._experts_across_ranks:
+            # The all-gather dispatcher gathers equal-sized token blocks from the EP ranks:
+            # one shape for every micro-batch on every rank.
+            rows, T = self._max_over_dp(max(len(m) for m in micro), max(m.num_tokens for m in micro))
+            micro = [m.padded_to(max(rows, 1), max(T, 1)) for m in micro]
             uniform = True
         else:
             uniform = False

@@ -61,6 +61,60 @@ def test_heads_are_read_from_the_checkpoint_config_when_a_path_is_given(tmp_path
         check([f"model.path={tmp_path}", "parallel.tp=2"])
 
 
+def _write_hf_config(path, variant, **changes):
+    from tests.models.tiny_hf import COMMON, VARIANTS, hf_classes
+
+    family, overrides = VARIANTS[variant]
+    config_cls, lm_cls, _ = hf_classes(family)
+    raw = config_cls(**{**COMMON, **overrides, **changes}).to_dict()
+    raw["architectures"] = [lm_cls.__name__]
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def test_a_qwen3_checkpoint_is_accepted_and_its_options_checked(tmp_path):
+    _write_hf_config(tmp_path, "qwen3-untied", max_position_embeddings=512)
+    check([f"model.path={tmp_path}", "parallel.tp=2"], world_size=2)
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 does not divide the model's 2 KV heads"):
+        check([f"model.path={tmp_path}", "parallel.tp=4"])
+    _write_hf_config(tmp_path, "qwen3-untied", attention_bias=True)
+    with pytest.raises(ConfigError, match=r"model.path: .*unsupported Qwen3ForCausalLM option: "
+                                          r"attention_bias=true"):
+        check([f"model.path={tmp_path}"])
+
+
+def _write_moe_config(path, **changes):
+    from tests.models.tiny_moe import build_tiny_moe_model
+
+    config = build_tiny_moe_model("qwen3moe").config
+    raw = {**config.to_dict(), "max_position_embeddings": 512, **changes}
+    raw["architectures"] = ["Qwen3MoeForCausalLM"]
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [
+    (["parallel.ep=3"], None, r"parallel.ep=3 does not divide the model's 8 experts; choose one "
+                              r"of 1, 2, 4, 8"),
+    (["parallel.ep=4"], 2, r"ep\*etp = 4\*1 does not divide the 2 ranks of a pipeline stage"),
+    (["parallel.ep=2", "parallel.pp=2"], 2, r"ep\*etp = 2\*1 does not divide the 1 ranks"),
+    (["parallel.etp=3"], None, r"parallel.etp=3 does not divide the model's expert FFN size 64"),
+    (["parallel.tp=2"], None, r"parallel.tp=2 with a mixture-of-experts model: .* parallel.ep"),
+    (["parallel.ep=2"], 2, r"is a mixture-of-experts model, which mcore-rl converts and runs "
+                           r"but cannot train yet"),
+])
+def test_expert_parallel_layouts_are_checked_against_the_experts_and_the_world(
+        tmp_path, overrides, world_size, message):
+    _write_moe_config(tmp_path)
+    with pytest.raises(ConfigError, match=message) as err:
+        check([f"model.path={tmp_path}", *overrides], world_size=world_size)
+    assert "\n" not in str(err.value)
+
+
+def test_expert_parallelism_on_a_dense_model_is_rejected():
+    with pytest.raises(ConfigError, match=r"parallel.ep=2, parallel.etp=None: expert parallelism "
+                                          r"needs a mixture-of-experts model"):
+        check(["parallel.ep=2"])
+
+
 def test_model_path_without_config_json_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="has no config.json"):
         check([f"model.path={tmp_path}"])

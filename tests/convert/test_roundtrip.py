@@ -3,7 +3,7 @@
 - The converter writes the checkpoint Megatron itself writes at TP2 x PP2: same tensors,
   shapes, dtypes, chunks and values.
 - HF -> mcore (written at TP2 x PP2) -> loaded by Megatron at another layout -> saved by
-  Megatron -> HF reproduces every tensor bit for bit (fp32 and bf16; tied, untied, QKV bias),
+  Megatron -> HF reproduces every tensor bit for bit (fp32 and bf16; tied, untied, QKV bias, QK norm),
   sharded with an index, and ``from_pretrained`` reports no missing or unexpected keys.
 - One element changed in one TP shard of ``linear_qkv`` and of ``linear_fc1`` changes exactly
   the matching element of ``k_proj`` and ``up_proj`` in the export, and nothing else.
@@ -50,8 +50,9 @@ def _load_edit_save(rank, world_size, source, out, layout, edits, dtype="fp32"):
     destroy_parallel()
 
 
-def test_converter_writes_the_checkpoint_megatron_writes_at_tp2xpp2(world, tmp_path):
-    hf_dir = save_tiny_hf_model("qwen2-tied", tmp_path / "hf")
+@pytest.mark.parametrize("variant", ["qwen2-tied", "qwen3-untied"])
+def test_converter_writes_the_checkpoint_megatron_writes_at_tp2xpp2(world, tmp_path, variant):
+    hf_dir = save_tiny_hf_model(variant, tmp_path / "hf")
     ours = convert_hf_to_mcore(hf_dir, tmp_path / "ours", tp=2, pp=2, progress=False)
     world.run(_load_edit_save, str(hf_dir), str(tmp_path / "megatron"), (2, 2), [])
     a, b = DCPReader(ours / MODEL_DIR), DCPReader(tmp_path / "megatron" / MODEL_DIR)
@@ -75,6 +76,8 @@ def test_converter_writes_the_checkpoint_megatron_writes_at_tp2xpp2(world, tmp_p
     ("qwen2-tied", torch.float32, (2, 1)),
     ("mistral-untied", torch.float32, (1, 1)),
     ("llama-untied", torch.bfloat16, (2, 1)),
+    ("qwen3-untied", torch.float32, (2, 2)),
+    ("qwen3-untied", torch.bfloat16, (1, 2)),
 ])
 def test_hf_to_mcore_to_hf_is_bit_exact_through_another_layout(world, tmp_path, variant, dtype,
                                                                layout):

@@ -28,6 +28,7 @@ def test_tiny_variants_are_read_with_their_hf_values():
         assert arch.rms_norm_eps == pytest.approx(3e-5)
         assert arch.tie_word_embeddings == overrides["tie_word_embeddings"]
         assert arch.qkv_bias == (family == "qwen2")
+        assert arch.qk_norm == (family == "qwen3")
         assert arch.padded_vocab_size % 128 == 0 and arch.padded_vocab_size >= arch.vocab_size
     llama3 = spec_from_hf_config(_hf_config("llama-tied").to_dict()).arch
     assert llama3.rope_theta == 50000.0 and llama3.rope_scaling.rope_type == "llama3"
@@ -74,6 +75,10 @@ def test_rope_inverse_frequencies_equal_hf(rope):
     ("mistral-untied", {"sliding_window": 64}, "sliding-window attention (sliding_window=64"),
     ("qwen2-tied", {"use_sliding_window": True, "sliding_window": 64}, "sliding-window attention"),
     ("llama-untied", {"attention_bias": True}, "attention_bias=true"),
+    ("qwen3-untied", {"attention_bias": True}, "attention_bias=true"),
+    ("qwen3-untied", {"use_sliding_window": True, "sliding_window": 64,
+                      "layer_types": ["full_attention", "sliding_attention"]},
+     "sliding-window attention"),
     ("llama-untied", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("llama-untied", {"architectures": ["LlamaForSequenceClassification"], "num_labels": 3},
      "with 3 labels (supported: a single score"),
@@ -100,3 +105,54 @@ def test_vocab_pad_multiple_grows_only_when_tp_does_not_divide_it():
     assert arch.with_vocab_multiple_for_tp(8) is arch
     assert arch.with_vocab_multiple_for_tp(3).padded_vocab_size == 1152  # multiple 384
     assert ModelArch.from_dict(arch.to_dict()) == arch
+
+
+def _moe_config(variant: str, **changes) -> dict:
+    from tests.models.tiny_moe import build_tiny_moe_model
+
+    config = build_tiny_moe_model(variant).config
+    raw = {**config.to_dict(), **changes}
+    raw["architectures"] = [type(build_tiny_moe_model(variant)).__name__]
+    return raw
+
+
+@pytest.mark.parametrize("variant,family,norm,naming", [
+    ("qwen3moe", "qwen3_moe", False, "qwen3_moe"),
+    ("qwen3moe-norm", "qwen3_moe", True, "qwen3_moe"),
+    ("mixtral", "mixtral", True, "mixtral"),
+])
+def test_moe_configs_are_read_with_their_experts_and_routing(variant, family, norm, naming):
+    spec = spec_from_hf_config(_moe_config(variant))
+    arch = spec.arch
+    assert spec.family.model_type == family and arch.is_moe
+    assert (arch.num_experts, arch.experts_per_token, arch.moe_intermediate_size) == (8, 2, 64)
+    assert (arch.norm_topk_prob, arch.expert_naming) == (norm, naming)
+    assert arch.qk_norm == (family == "qwen3_moe") and not arch.qkv_bias
+    assert ModelArch.from_dict(arch.to_dict()) == arch
+
+
+@pytest.mark.parametrize("variant,changes,fragment", [
+    ("qwen3moe", {"mlp_only_layers": [1]}, "dense layers between expert layers"),
+    ("qwen3moe", {"decoder_sparse_step": 2}, "dense layers between expert layers"),
+    ("qwen3moe", {"num_experts_per_tok": 9}, "0 < num_experts_per_tok <= experts"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 (set it to 0)"),
+    ("mixtral", {"sliding_window": 64}, "sliding-window attention (sliding_window=64"),
+])
+def test_unsupported_moe_configs_are_refused_in_one_line(variant, changes, fragment):
+    with pytest.raises(UsageError) as err:
+        spec_from_hf_config(_moe_config(variant, **changes))
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_expert_layouts_that_do_not_split_the_experts_are_refused():
+    from mcore_rl.models.provider import check_layout
+
+    arch = spec_from_hf_config(_moe_config("qwen3moe")).arch
+    check_layout(arch, tp=1, pp=2, ep=8)
+    with pytest.raises(UsageError, match="EP 3 does not divide the 8 experts"):
+        check_layout(arch, tp=1, pp=1, ep=3)
+    with pytest.raises(UsageError, match="expert TP 3 does not divide the expert FFN size 64"):
+        check_layout(arch, tp=1, pp=1, ep=1, etp=3)
+    dense = spec_from_hf_config(_hf_config("qwen3-untied").to_dict()).arch
+    with pytest.raises(UsageError, match="EP 2 needs a mixture-of-experts model"):
+        check_layout(dense, tp=1, pp=1, ep=2)

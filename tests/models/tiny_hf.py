@@ -1,4 +1,4 @@
-"""Tiny random HF models (Llama, Qwen2, Mistral) saved with transformers: the parity oracles.
+"""Tiny random HF models (Llama, Qwen2, Qwen3, Mistral) saved with transformers: the parity oracles.
 
 head_dim 32 (so the same models run in vLLM on CPU), GQA (4 heads, 2 KV heads), a vocabulary
 that is no multiple of 64, non-default RoPE theta and RMSNorm epsilon. Every parameter is
@@ -23,6 +23,7 @@ VARIANTS = {
     "llama-tied": ("llama", dict(vocab_size=250, tie_word_embeddings=True,
                                  rope_parameters=dict(LLAMA3_ROPE))),
     "qwen2-tied": ("qwen2", dict(vocab_size=997, tie_word_embeddings=True, rope_theta=20000.0)),
+    "qwen3-untied": ("qwen3", dict(vocab_size=1001, tie_word_embeddings=False, rope_theta=40000.0)),
     "mistral-untied": ("mistral", dict(vocab_size=1010, tie_word_embeddings=False,
                                        rope_theta=30000.0, sliding_window=None)),
 }
@@ -31,7 +32,7 @@ VARIANTS = {
 def hf_classes(family: str):
     import transformers as tf
 
-    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[family]
+    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
     return (getattr(tf, f"{names}Config"), getattr(tf, f"{names}ForCausalLM"),
             getattr(tf, f"{names}ForSequenceClassification"))
 

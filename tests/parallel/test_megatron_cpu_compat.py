@@ -66,3 +66,49 @@ def test_megatron_rng_tracker_forks_cpu_generator_states():
 
 def test_pipeline_p2p_batching_is_turned_off_for_gloo():
     assert compat.transformer_config_overrides() == {"batch_p2p_comm": False}
+
+
+_BACKWARD_ALLOCATES = """
+class Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=torch.cuda.current_device())
+        out.copy_(grad)
+        return out * 2
+
+x = torch.ones(3, requires_grad=True)
+Gather.apply(x).sum().backward()
+result = x.grad.tolist()
+"""
+
+
+def test_megatron_autograd_backward_allocates_on_the_cpu():
+    # torch runs a custom backward with no function mode active; Megatron's backward of its
+    # sequence-parallel gathers and MoE all-to-all allocate on torch.cuda.current_device().
+    assert _run_as("megatron.core.fake", _BACKWARD_ALLOCATES) == [2.0, 2.0, 2.0]
+
+
+def test_other_libraries_autograd_backward_is_left_alone():
+    with pytest.raises((RuntimeError, AssertionError)):
+        _run_as("vllm.fake", _BACKWARD_ALLOCATES)
+
+
+def test_moe_dispatcher_splits_become_numpy_arrays_as_on_a_gpu():
+    import numpy as np
+
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    assert moe_utils.te_general_gemm is None  # absent Transformer Engine reads as None
+    dispatcher = MoEAlltoAllTokenDispatcher.__new__(MoEAlltoAllTokenDispatcher)
+    dispatcher.drop_and_pad, dispatcher.cuda_dtoh_point = False, "before_permutation_1"
+    dispatcher.input_splits, dispatcher.output_splits = torch.tensor([2, 3]), torch.tensor([1, 4])
+    dispatcher.output_splits_tp = None
+    counts = torch.tensor([5])
+    assert dispatcher._maybe_dtoh_and_synchronize("before_permutation_1", counts) is counts
+    assert isinstance(dispatcher.input_splits, np.ndarray)
+    assert dispatcher.output_splits.tolist() == [1, 4] and dispatcher.output_splits_tp is None

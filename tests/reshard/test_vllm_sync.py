@@ -1,7 +1,7 @@
 """After an optimizer step, resharded weights make real vLLM generate what HF generates.
 
-Tiny Llama (untied, vocabulary padded 1003 -> 1024) and Qwen2 (QKV bias, tied embeddings),
-head_dim 32, fp32. Per model, two engine replicas fed by the same sync, vLLM at engine TP1
+Tiny Llama (untied, vocabulary padded 1003 -> 1024), Qwen2 (QKV bias, tied embeddings) and
+Qwen3 (per-head QK norm, untied), head_dim 32, fp32. Per model, two engine replicas fed by the same sync, vLLM at engine TP1
 and at engine TP2 (started once, from the config only: ``load_format="dummy"``), and per
 trainer layout (TP2, PP2, TP2 x PP2 on 4 ranks):
 
@@ -27,7 +27,8 @@ from tests.world import SharedWorld
 LAYOUTS = {"TP2": (2, 1), "PP2": (1, 2), "TP2xPP2": (2, 2)}
 # per model: (engine TP, placement) of its replicas; the TP1 engines cover both placements
 REPLICAS = {"llama-untied": ((1, "separate"), (2, "colocated")),
-            "qwen2-tied": ((1, "colocated"), (2, "colocated"))}
+            "qwen2-tied": ((1, "colocated"), (2, "colocated")),
+            "qwen3-untied": ((1, "colocated"), (2, "colocated"))}
 PROMPTS = [list(range(3, 43)), list(range(100, 140))]
 NEW_TOKENS = 6
 LOGPROB_TOL = 1e-4
@@ -55,7 +56,7 @@ def world():
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_sync")
-    return {v: str(save_tiny_hf_model(v, root / v)) for v in ("llama-untied", "qwen2-tied")}
+    return {v: str(save_tiny_hf_model(v, root / v)) for v in REPLICAS}
 
 
 def hf_greedy(hf_dir) -> list[list[int]]:

@@ -2,7 +2,8 @@
 
 All supported families are Llama-style decoders and share one HF<->Megatron tensor mapping
 (``mcore_rl.models.mapping``); a family adds what is its own: its HF class names, whether Q, K
-and V carry a bias, and which of its config options mcore-rl cannot reproduce.
+and V carry a bias, whether queries and keys are RMS-normalised per head (Qwen3), its experts
+(Qwen3-MoE, Mixtral), and which of its config options mcore-rl cannot reproduce.
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ class ModelFamily:
     """Whether Q, K and V projections carry a bias, from the HF config dict."""
     unsupported_features: Callable[[dict], list[str]]
     """Config options set to values mcore-rl cannot reproduce exactly (empty when fine)."""
+    qk_norm: Callable[[dict], bool] = lambda cfg: False
+    """Whether queries and keys pass an RMSNorm over each head before RoPE (Qwen3)."""
+    moe_fields: Callable[[dict], dict] = lambda cfg: {}
+    """The mixture-of-experts fields of `ModelArch` (``num_experts``...) from the HF config;
+    empty for a dense family."""
 
     @property
     def architectures(self) -> tuple[str, str]:
@@ -50,4 +56,4 @@ def family_of_architecture(architecture: str) -> ModelFamily | None:
     return None
 
 
-from mcore_rl.models.families import llama, mistral, qwen2  # noqa: E402,F401  (registration)
+from mcore_rl.models.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe  # noqa: E402,F401  (registration)

@@ -123,7 +123,7 @@ def _offsets_in_file(setup: TransportSetup, buffer: torch.Tensor, start: int,
     base, offsets = buffer.data_ptr(), {}
     for h in holdings:
         if h.main:
-            at = views[(h.key, h.layer, h.offsets)].data_ptr() - base
+            at = views[h.view_key].data_ptr() - base
             if not start <= at < end:
                 raise RuntimeError(f"{h.key} did not move into the shared weight file")
             offsets[h] = at
@@ -138,7 +138,7 @@ def _storage_key(t: torch.Tensor) -> int:
 def sent_parameters(params: list[torch.nn.Parameter], holdings: list[Holding],
                     views: dict) -> list[torch.nn.Parameter]:
     """The parameters behind this rank's main holdings (those it sends), in model order."""
-    keys = {_storage_key(views[(h.key, h.layer, h.offsets)]) for h in holdings if h.main}
+    keys = {_storage_key(views[h.view_key]) for h in holdings if h.main}
     seen, out = set(), []
     for p in params:
         if id(p) not in seen and _storage_key(p) in keys:
@@ -154,8 +154,9 @@ def shared_transport_problem(params: list[torch.nn.Parameter], holdings: list[Ho
     for h in holdings:
         if not h.main:
             continue
-        view = views[(h.key, h.layer, h.offsets)]
-        where = f"{h.key}" + (f" (layer {h.layer})" if h.layer is not None else "")
+        view = views[h.view_key]
+        where = f"{h.key}" + (f" (layer {h.layer})" if h.layer is not None else "") + (
+            f" (expert {h.expert})" if h.expert is not None else "")
         if view.device.type != "cpu":
             return f"{where} is on {view.device}, not in CPU memory"
         if view.dtype != dtype:

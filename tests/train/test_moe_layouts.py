@@ -1,0 +1,104 @@
+"""One `train_batch` of a mixture-of-experts model gives the same parameters at EP2 as on one rank.
+
+Tiny Qwen3-MoE-shaped model (8 experts, top-2, QK norm), random weights written by the
+single-rank oracle; the same fixed batch (several micro-batches of unequal token counts), SGD
+without clipping (the update is the gradient, so a wrongly scaled expert gradient shows),
+trained at EP2 (DP2 for the dense part, each EP rank holding 4 experts) with both token
+dispatchers. The saved models are compared tensor by tensor at EP1 within 1e-5 relative.
+A second batch splits into 4 micro-batches on one DP rank and 3 on the other: every EP rank
+must still run the same micro-batches (the short one gets an all-padding one).
+"""
+import os
+
+import pytest
+import torch
+
+from mcore_rl.models import ModelArch
+from tests.train.test_engine_layouts import (VOCAB, fixed_batch, max_relative_difference,
+                                             token_mean_loss)
+from tests.world import shared_world
+
+ARCH = ModelArch(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                 num_attention_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
+                 num_experts=8, experts_per_token=2, moe_intermediate_size=32,
+                 norm_topk_prob=False, expert_naming="qwen3_moe")
+LAYOUTS = {"EP2-alltoall": (2, "alltoall"), "EP2-allgather": (2, "allgather")}
+
+
+def uneven_batch():
+    from mcore_rl.data.batch import Batch
+
+    g = torch.Generator().manual_seed(8)
+    lengths = [28, 4, 18, 34, 33, 27, 21, 32]  # 4 and 3 micro-batches of <= 48 tokens at DP2
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return Batch.from_sequences(seqs, prompt_lens=[3, 1, 2, 5, 4, 3, 2, 6])
+
+
+BATCHES = {"even": fixed_batch, "uneven": uneven_batch}
+
+
+def _engine(ctx, dispatcher):
+    from mcore_rl.config import OptimizerConfig
+    from mcore_rl.models.gpt import build_gpt_chunks
+    from mcore_rl.models.moe import MoeOptions
+    from mcore_rl.train.build import build_engine
+
+    optim = OptimizerConfig(name="sgd", lr=0.5, clip_grad=0.0, micro_batch_tokens=48)
+    chunks = build_gpt_chunks(ARCH, ctx, moe=MoeOptions(dispatcher=dispatcher))
+    return build_engine(chunks, ctx, vocab_size=VOCAB, optim=optim)
+
+
+def _train_once(rank, world_size, ep, dispatcher, batch, init_dir, out_dir):
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.train.checkpoint import load_engine, save_engine
+
+    ctx = initialize_parallel(ep=ep, seed=11)
+    engine = _engine(ctx, dispatcher)
+    if os.path.exists(init_dir):
+        load_engine(engine, init_dir, load_optimizer=False)
+    else:
+        save_engine(engine, init_dir)
+    result = engine.train_batch(BATCHES[batch](), token_mean_loss)
+    save_engine(engine, out_dir)
+    destroy_parallel()
+    return result.loss, result.units
+
+
+def _model_tensors(rank, world_size, path):
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.train.checkpoint import load_engine
+
+    ctx = initialize_parallel(seed=3)
+    engine = _engine(ctx, "alltoall")
+    load_engine(engine, path, load_optimizer=False)
+    state = {k: v.detach().clone() for k, v in engine.model[0].module.state_dict().items()
+             if torch.is_tensor(v) and "_extra_state" not in k}
+    destroy_parallel()
+    return state
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_one_train_batch_of_a_moe_model_updates_parameters_identically_at_ep2(tmp_path, batch):
+    from mcore_rl.train.micro_batches import pack_micro_batches, split_for_data_parallel
+
+    lens = BATCHES[batch]().seq_lens
+    counts = [len(pack_micro_batches(lens, split_for_data_parallel(lens, 2)[r], 48))
+              for r in range(2)]
+    assert counts == ([4, 3] if batch == "uneven" else [2, 2])
+    oracle, world = shared_world(1), shared_world(2)
+    init = str(tmp_path / "init")
+    (ref_loss, ref_units), = oracle.run(_train_once, 1, "alltoall", batch, init,
+                                        str(tmp_path / "oracle"))
+    before = oracle.run(_model_tensors, init)[0]
+    expected = oracle.run(_model_tensors, str(tmp_path / "oracle"))[0]
+    assert any(".experts." in k for k in expected)
+    moved, _ = max_relative_difference(expected, before)
+    assert moved > 1e-3, "the step must change the parameters visibly"
+    for name, (ep, dispatcher) in LAYOUTS.items():
+        out = str(tmp_path / name)
+        for step_loss, units in world.run(_train_once, ep, dispatcher, batch, init, out):
+            assert units == ref_units
+            assert step_loss == pytest.approx(ref_loss, rel=1e-5)
+        got = oracle.run(_model_tensors, out)[0]
+        diff, where = max_relative_difference(got, expected)
+        assert diff <= 1e-5, f"{name}: parameters differ from EP1 by {diff:.2e} (worst: {where})"
