@@ -79,7 +79,7 @@ def rl_graph(cfg: RLConfig, model_dir: Path, buffer_size: int = 1, stop=None):
                    data_input=scored,
                    strategy=Megatron(tp=p.tp, pp=p.pp, dp=world // (p.tp * p.pp), vpp=p.vpp,
                                      seed=cfg.train.seed, threads_per_rank=p.cpu_threads_per_rank,
-                                     backend=p.backend)),
+                                     backend=p.backend, ep=p.ep, etp=p.etp)),
     ])
 
 

@@ -84,7 +84,7 @@ class RLTrainer:
         p = self.cfg.parallel
         strategy = Megatron(tp=p.tp, pp=p.pp, dp=self.world_size // (p.tp * p.pp), vpp=p.vpp,
                             seed=self.cfg.train.seed, threads_per_rank=p.cpu_threads_per_rank,
-                            backend=p.backend)
+                            backend=p.backend, ep=p.ep, etp=p.etp)
         spec = SimpleNamespace(function=factory(RLWorker, config_to_dict(self.cfg)),
                                num_workers=self.world_size,
                                devices=tuple(devices) if devices is not None else None)

@@ -38,13 +38,15 @@ class MegatronSetup:
     vpp: int | None
     seed: int
     backend: str
+    ep: int = 1
+    etp: int | None = None
 
     def __call__(self, rank: int, world_size: int) -> None:
         global _context
         from mcore_rl.parallel import initialize_parallel
 
-        _context = initialize_parallel(tp=self.tp, pp=self.pp, vpp=self.vpp, seed=self.seed,
-                                       backend=self.backend)
+        _context = initialize_parallel(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep,
+                                       etp=self.etp, seed=self.seed, backend=self.backend)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,10 @@ class Megatron:
     """torch threads per rank on CPU when the controller has no devices to pin to."""
     backend: str = "auto"
     """torch.distributed backend: nccl with CUDA, gloo without (``auto``)."""
+    ep: int = 1
+    """Expert parallelism of MoE layers (within the data-parallel ranks, as Megatron has it)."""
+    etp: int | None = None
+    """Expert tensor parallelism (None: the same as ``tp``)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "threads_per_rank"):
@@ -78,7 +84,8 @@ class Megatron:
         from mcore_rl.parallel.initialize import default_backend
 
         backend = default_backend() if self.backend == "auto" else self.backend
-        return WorkerGroup.start(spec, MegatronSetup(self.tp, self.pp, self.vpp, self.seed, backend),
+        return WorkerGroup.start(spec, MegatronSetup(self.tp, self.pp, self.vpp, self.seed, backend,
+                                                     self.ep, self.etp),
                                  threads=self.threads_per_rank, backend=backend)
 
     def __str__(self) -> str:
