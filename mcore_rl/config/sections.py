@@ -323,8 +323,9 @@ class FinetuneConfig:
 
     batch_size: int = 16
     """Records per optimizer step: pairs (dpo, rm) or completions (sft, kto)."""
-    max_length: int = 256
-    """Longest prompt + completion in tokens; longer records are counted and left out."""
+    max_length: int | None = None
+    """Longest prompt + completion in tokens; longer records are counted and left out.
+    None: the model's positions (max_position_embeddings)."""
     completion_key: str = "completion"
     """Field of the completion (sft, kto)."""
     messages_key: str = "messages"

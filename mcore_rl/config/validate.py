@@ -133,7 +133,7 @@ FINETUNE_JOB_NAMES = ("sft", "rm", "dpo", "kto")
 def validate_finetune(cfg: RLConfig, shape: ModelShape, dp: int) -> None:
     """The supervised and preference jobs: lengths, batch against the layout, warm start."""
     f, p, job = cfg.finetune, cfg.parallel, cfg.train.job
-    if f.max_length > shape.max_position_embeddings:
+    if f.max_length is not None and f.max_length > shape.max_position_embeddings:
         raise ConfigError(f"finetune.max_length={f.max_length} exceeds the model's "
                           f"{shape.max_position_embeddings} positions (max_position_embeddings); "
                           "lower it")

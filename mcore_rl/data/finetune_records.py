@@ -9,7 +9,7 @@ Formats (field names from ``finetune`` and ``data.prompt_key``):
 The prompt goes through the tokenizer's chat template (``data.apply_chat_template``); a
 completion is its text's tokens and the end-of-sequence token, and only completion tokens
 are trained on. A record that cannot be used (a missing field, an empty completion, more
-than ``finetune.max_length`` tokens, a label that is neither) is counted by reason and left
+than ``max_length`` tokens, a label that is neither) is counted by reason and left
 out (`RecordReport`); a dataset with no usable record is a one-line `UsageError`.
 """
 from __future__ import annotations
@@ -58,9 +58,10 @@ class RecordReport:
 
 
 class _Encoder:
-    def __init__(self, cfg: RLConfig, tokenizer: Tokenizer):
+    def __init__(self, cfg: RLConfig, tokenizer: Tokenizer, max_length: int):
         self.cfg, self.f, self.tok = cfg, cfg.finetune, tokenizer
         self.chat = cfg.data.apply_chat_template
+        self.max_length = max_length
 
     def prompt(self, row: dict) -> list[int] | str:
         key = self.cfg.data.prompt_key
@@ -89,7 +90,7 @@ class _Encoder:
         return prompt, self.tok.encode(str(last["content"])) + [self.tok.eos_id]
 
     def too_long(self, prompt: list[int], *completions: list[int]) -> bool:
-        return len(prompt) + max(len(c) for c in completions) > self.f.max_length
+        return len(prompt) + max(len(c) for c in completions) > self.max_length
 
 
 def _finish(report: RecordReport, examples: list, where: str) -> list:
@@ -101,10 +102,10 @@ def _finish(report: RecordReport, examples: list, where: str) -> list:
     return examples
 
 
-def sft_examples(rows: list[dict], cfg: RLConfig, tokenizer: Tokenizer, where: str
-                 ) -> tuple[list[Completion], RecordReport]:
+def sft_examples(rows: list[dict], cfg: RLConfig, tokenizer: Tokenizer, where: str,
+                 max_length: int) -> tuple[list[Completion], RecordReport]:
     """``prompt, completion`` or ``messages`` records -> completions."""
-    enc, report, out = _Encoder(cfg, tokenizer), RecordReport(where), []
+    enc, report, out = _Encoder(cfg, tokenizer, max_length), RecordReport(where), []
     for row in rows:
         if enc.f.messages_key in row:
             got = enc.conversation(row)
@@ -114,16 +115,16 @@ def sft_examples(rows: list[dict], cfg: RLConfig, tokenizer: Tokenizer, where: s
         if isinstance(got, str):
             report.dropped[got] += 1
         elif enc.too_long(*got):
-            report.dropped[f"over {enc.f.max_length} tokens"] += 1
+            report.dropped[f"over {enc.max_length} tokens"] += 1
         else:
             out.append(Completion(*got))
     return _finish(report, out, where), report
 
 
-def pair_examples(rows: list[dict], cfg: RLConfig, tokenizer: Tokenizer, where: str
-                  ) -> tuple[list[Pair], RecordReport]:
+def pair_examples(rows: list[dict], cfg: RLConfig, tokenizer: Tokenizer, where: str,
+                  max_length: int) -> tuple[list[Pair], RecordReport]:
     """``prompt, chosen, rejected`` records -> pairs (with the margin field, if configured)."""
-    enc, report, out = _Encoder(cfg, tokenizer), RecordReport(where), []
+    enc, report, out = _Encoder(cfg, tokenizer, max_length), RecordReport(where), []
     for row in rows:
         parts = [enc.prompt(row), enc.completion(row, enc.f.chosen_key),
                  enc.completion(row, enc.f.rejected_key)]
@@ -137,7 +138,7 @@ def pair_examples(rows: list[dict], cfg: RLConfig, tokenizer: Tokenizer, where: 
         if problem is not None:
             report.dropped[problem] += 1
         elif enc.too_long(*parts):
-            report.dropped[f"over {enc.f.max_length} tokens"] += 1
+            report.dropped[f"over {enc.max_length} tokens"] += 1
         else:
             out.append(Pair(*parts, margin=margin))
     return _finish(report, out, where), report
@@ -152,10 +153,10 @@ def _label(value) -> bool | None:
     return False if key in UNDESIRABLE else None
 
 
-def kto_examples(rows: list[dict], cfg: RLConfig, tokenizer: Tokenizer, where: str
-                 ) -> tuple[list[Completion], RecordReport]:
+def kto_examples(rows: list[dict], cfg: RLConfig, tokenizer: Tokenizer, where: str,
+                 max_length: int) -> tuple[list[Completion], RecordReport]:
     """``prompt, completion, label`` records -> labelled completions."""
-    enc, report, out = _Encoder(cfg, tokenizer), RecordReport(where), []
+    enc, report, out = _Encoder(cfg, tokenizer, max_length), RecordReport(where), []
     for row in rows:
         prompt, completion = enc.prompt(row), enc.completion(row, enc.f.completion_key)
         label = _label(row.get(enc.f.label_key)) if enc.f.label_key in row else None
@@ -166,7 +167,7 @@ def kto_examples(rows: list[dict], cfg: RLConfig, tokenizer: Tokenizer, where: s
         if problem is not None:
             report.dropped[problem] += 1
         elif enc.too_long(prompt, completion):
-            report.dropped[f"over {enc.f.max_length} tokens"] += 1
+            report.dropped[f"over {enc.max_length} tokens"] += 1
         else:
             out.append(Completion(prompt, completion, label))
     return _finish(report, out, where), report

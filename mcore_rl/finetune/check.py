@@ -34,6 +34,7 @@ def check_finetune_job(cfg: RLConfig) -> None:
         try:
             load_examples(cfg, tokenizer, split)
         except ValueError as err:  # a character the built-in tokenizer does not know
-            raise UsageError(f"the {split} data cannot be tokenized: {err}") from None
+            raise UsageError(f"the {split} data cannot be tokenized: {err}; use a model.path whose "
+                             "tokenizer covers the data") from None
     RunCheckpoints.for_config(cfg).resolve_resume(cfg.checkpoint.resume, trained_parts(cfg),
                                                   cfg.logging.dir)

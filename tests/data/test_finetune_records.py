@@ -25,7 +25,7 @@ TOK = toy_tokenizer()
 
 
 def test_sft_prompt_completion_records_mask_only_the_completion_and_its_stop_token():
-    (ex,), report = sft_examples([{"prompt": "3+4=", "completion": "7"}], cfg(), TOK, "t")
+    (ex,), report = sft_examples([{"prompt": "3+4=", "completion": "7"}], cfg(), TOK, "t", 64)
     assert ex.prompt_ids == [TOK.bos_id] + TOK.encode("3+4=")
     assert ex.completion_ids == TOK.encode("7") + [TOK.eos_id]
     batch = completion_batch([ex], TOK.pad_id)
@@ -36,7 +36,7 @@ def test_sft_prompt_completion_records_mask_only_the_completion_and_its_stop_tok
 def test_unusable_records_are_counted_by_reason_and_left_out():
     rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "1+2="}, {"completion": "3"},
             {"prompt": "1+3=", "completion": "  "}, {"prompt": "1+4=" * 10, "completion": "5"}]
-    examples, report = sft_examples(rows, cfg(max_length=16), TOK, "train.jsonl")
+    examples, report = sft_examples(rows, cfg(), TOK, "train.jsonl", 16)
     assert len(examples) == 1
     assert dict(report.dropped) == {"no 'completion' field": 1, "no 'prompt' field": 1,
                                     "empty 'completion'": 1, "over 16 tokens": 1}
@@ -46,7 +46,7 @@ def test_unusable_records_are_counted_by_reason_and_left_out():
 
 def test_a_dataset_without_a_usable_record_is_one_line_naming_the_reasons_and_the_fix():
     with pytest.raises(UsageError) as err:
-        pair_examples([{"prompt": "1+1=", "chosen": "2"}] * 3, cfg("dpo"), TOK, "pairs.jsonl")
+        pair_examples([{"prompt": "1+1=", "chosen": "2"}] * 3, cfg("dpo"), TOK, "pairs.jsonl", 64)
     msg = str(err.value)
     assert "\n" not in msg
     assert msg.startswith("pairs.jsonl has no usable record (3 no 'rejected' field)")
@@ -57,14 +57,14 @@ def test_field_names_are_configurable():
     rows = [{"q": "2+2=", "good": "4", "bad": "5"}]
     c = cfg("dpo", chosen_key="good", rejected_key="bad")
     c.data.prompt_key = "q"
-    (pair,), _ = pair_examples(rows, c, TOK, "t")
+    (pair,), _ = pair_examples(rows, c, TOK, "t", 64)
     assert pair.chosen_ids[:-1] == TOK.encode("4") and pair.rejected_ids[:-1] == TOK.encode("5")
 
 
 def test_kto_labels_accept_booleans_numbers_and_words_and_refuse_others():
     rows = [{"prompt": "1+1=", "completion": "2", "label": v}
             for v in (True, 1, "desirable", False, 0, "undesirable", "maybe")]
-    examples, report = kto_examples(rows, cfg("kto"), TOK, "t")
+    examples, report = kto_examples(rows, cfg("kto"), TOK, "t", 64)
     assert [e.desirable for e in examples] == [True, True, True, False, False, False]
     assert dict(report.dropped) == {"a 'label' that is neither desirable nor undesirable": 1}
 
@@ -83,16 +83,16 @@ def test_chat_messages_take_the_last_assistant_message_as_the_completion():
     real = hf.tok.apply_chat_template
     hf.tok.apply_chat_template = lambda msgs, **kw: calls.append(msgs) or real(msgs, **kw)
     row = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
-    (ex,), _ = sft_examples([row], cfg(), hf, "t")
+    (ex,), _ = sft_examples([row], cfg(), hf, "t", 64)
     assert calls == [[{"role": "user", "content": "1+1="}]]  # the template saw the prompt turns
     assert ex.completion_ids == hf.encode("2") + [TOK.eos_id]
     bad = {"messages": [{"role": "assistant", "content": "2"}, {"role": "user", "content": "x"}]}
-    _, report = sft_examples([row, bad], cfg(), hf, "t")
+    _, report = sft_examples([row, bad], cfg(), hf, "t", 64)
     assert dict(report.dropped) == {"'messages' not ending with an assistant message": 1}
 
 
 def test_a_pair_batch_interleaves_chosen_and_rejected_under_one_packing_unit():
-    pairs, _ = pair_examples(toy_rows("dpo", "train", 20, 0)[:3], cfg("dpo"), TOK, "t")
+    pairs, _ = pair_examples(toy_rows("dpo", "train", 20, 0)[:3], cfg("dpo"), TOK, "t", 64)
     batch = pair_batch(pairs, TOK.pad_id)
     assert batch["pack_unit"].tolist() == [1, 1, 2, 2, 3, 3]
     assert batch["chosen"].tolist() == [1, 0, 1, 0, 1, 0]
@@ -104,7 +104,7 @@ def test_a_pair_batch_interleaves_chosen_and_rejected_under_one_packing_unit():
 
 
 def test_kto_mismatched_pairs_give_each_prompt_the_previous_examples_completion():
-    examples, _ = kto_examples(toy_rows("kto", "train", 20, 0)[:3], cfg("kto"), TOK, "t")
+    examples, _ = kto_examples(toy_rows("kto", "train", 20, 0)[:3], cfg("kto"), TOK, "t", 64)
     mism = mismatched_batch(examples, TOK.pad_id)
     for i in range(3):
         row = mism["input_ids"][i][mism["attention_mask"][i].bool()].tolist()
