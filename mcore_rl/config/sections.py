@@ -351,6 +351,10 @@ class FinetuneConfig:
     """kto: weight of the loss of desirable completions."""
     undesirable_weight: float = 1.0
     """kto: weight of the loss of undesirable completions."""
+    reference_logps: Literal["on_the_fly", "cached"] = "on_the_fly"
+    """dpo, kto: the frozen reference's log-probs computed for every batch (on_the_fly), or
+    once per dataset before the first step and kept on disk, keyed by model and data, in
+    <logging.dir>/reference_cache/ (cached; a resumed run reads them back)."""
 
 
 @dataclass

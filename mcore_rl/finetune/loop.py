@@ -13,16 +13,20 @@ from dataclasses import dataclass
 
 from mcore_rl.config import RLConfig
 from mcore_rl.errors import NonFiniteError, StopRequested
-from mcore_rl.finetune.setup import FinetuneRun, build_finetune_run, copy_weights
+from mcore_rl.finetune.setup import (FinetuneRun, build_finetune_run, copy_weights,
+                                     open_reference_cache)
 from mcore_rl.parallel import ParallelContext
 
 
 def finetune_step(run: FinetuneRun) -> dict[str, float]:
     """One optimizer step over ``finetune.batch_size`` records; the step's metrics."""
     t0 = time.perf_counter()
+    computed = run.reference_cache.computed if run.reference_cache is not None else 0
     batch = run.job.batch(run.examples.take(run.cfg.finetune.batch_size), run.tokenizer.pad_id)
     batch = run.job.prepare(run, batch)
     t1 = time.perf_counter()
+    cache = {} if run.reference_cache is None else {
+        "reference/computed": float(run.reference_cache.computed - computed)}
     result = run.model.train_batch(batch, run.job.loss_fn())
     if not result.applied and run.cfg.train.on_nonfinite == "stop":
         raise NonFiniteError(f"step {run.step}: the loss or gradient is not finite (loss "
@@ -33,7 +37,7 @@ def finetune_step(run: FinetuneRun) -> dict[str, float]:
     tokens = float(batch["attention_mask"].sum())
     return {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
             **run.job.step_metrics(dict(result.metrics)), "skipped_update": float(not result.applied),
-            "time/reference": t1 - t0, "time/step": seconds, "perf/tokens_per_s": tokens / seconds}
+            **cache, "time/reference": t1 - t0, "time/step": seconds, "perf/tokens_per_s": tokens / seconds}
 
 
 def run_finetune(cfg: RLConfig, ctx: ParallelContext, stop=None) -> FinetuneRun:
@@ -89,6 +93,7 @@ def resume_or_start(run: FinetuneRun) -> None:
         run.log.truncate_after(run.step)
         if run.ctx.is_controller:
             print(f"mcore-rl: resumed from {resume.path} at step {run.step}", flush=True)
+        open_reference_cache(run)
         return
     run.log.truncate_after(-1)
     if cfg.train.warm_start_steps:
@@ -96,6 +101,7 @@ def resume_or_start(run: FinetuneRun) -> None:
         if run.ctx.is_controller:
             print(f"mcore-rl: warm start {len(losses)} steps, loss {losses[0]:.3f} -> "
                   f"{losses[-1]:.3f}", flush=True)
+    open_reference_cache(run)
     if cfg.train.val_every:
         metrics = run.job.validate(run)
         if metrics:

@@ -15,6 +15,7 @@ from mcore_rl.data.prompts import PromptStream
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.finetune.jobs import FINETUNE_JOBS, FinetuneJob
 from mcore_rl.finetune.logps import completion_logps
+from mcore_rl.finetune.reference_cache import ReferenceCache, cache_key
 from mcore_rl.metrics_log import MetricsLog
 from mcore_rl.parallel import ParallelContext
 from mcore_rl.train.engine import TrainEngine
@@ -60,6 +61,8 @@ class FinetuneRun:
     val_examples: list
     log: MetricsLog
     checkpoints: RunCheckpoints
+    reference_cache: ReferenceCache | None = None
+    """``finetune.reference_logps: cached``: the reference's log-probs by sequence."""
     step: int = 0
     losses: list[float] = field(default_factory=list)
     _val_batch: Batch | None = None
@@ -75,8 +78,11 @@ class FinetuneRun:
         return self._val_batch
 
     def reference_logps(self, batch: Batch) -> torch.Tensor:
-        """[B] summed completion log-probs under the frozen reference, computed on the fly
-        (the validation batch's once: the reference does not change)."""
+        """[B] summed completion log-probs under the frozen reference: from the cache
+        (``cached``), or computed on the fly (the validation batch's once: the reference
+        does not change)."""
+        if self.reference_cache is not None:
+            return self.reference_cache.lookup(batch, lambda b: completion_logps(self.reference, b))
         if batch is self._val_batch:
             if self._val_ref is None:
                 self._val_ref = completion_logps(self.reference, batch)
@@ -129,3 +135,28 @@ def copy_weights(source: TrainEngine, target: TrainEngine) -> None:
         src_params = dict(unwrap(src).named_parameters())
         for name, p in unwrap(dst).named_parameters():
             p.copy_(src_params[name])
+
+
+def open_reference_cache(run: FinetuneRun) -> None:
+    """``finetune.reference_logps: cached``: read the cache of this model and data, or fill
+    it in one pass over the training and validation examples and write it."""
+    cfg = run.cfg
+    if cfg.finetune.reference_logps != "cached" or run.reference is None:
+        return
+    examples = run.examples.records
+    key = cache_key(cfg, run.model_dir, examples + run.val_examples, str(run.ctx.layout))
+    run.reference_cache = ReferenceCache(Path(cfg.logging.dir) / "reference_cache" / f"{key}.pt")
+    if run.reference_cache.values:
+        if run.ctx.is_controller:
+            print(f"mcore-rl: reference log-probs from {run.reference_cache.path}", flush=True)
+        return
+    size = cfg.finetune.batch_size
+    for start in range(0, len(examples), size):
+        run.reference_logps(run.job.batch(examples[start:start + size], run.tokenizer.pad_id))
+    if run.val_examples:
+        run.reference_logps(run.val_batch())
+    run.reference_cache.save(run.ctx.is_controller)
+    run.ctx.barrier()
+    if run.ctx.is_controller:
+        print(f"mcore-rl: reference log-probs of {run.reference_cache.computed} sequences cached in "
+              f"{run.reference_cache.path}", flush=True)
