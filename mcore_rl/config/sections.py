@@ -351,6 +351,10 @@ class FinetuneConfig:
     """kto: weight of the loss of desirable completions."""
     undesirable_weight: float = 1.0
     """kto: weight of the loss of undesirable completions."""
+    val_score: bool = False
+    """sft, dpo, kto: also log the greedy ``val/score`` on the task's validation prompts (as
+    the RL job does: the rollout engine ``rollout.engine`` answers after a weight sync, the
+    reward ``reward.name`` scores) at step 0 and every ``train.val_every`` steps."""
     reference_logps: Literal["on_the_fly", "cached"] = "on_the_fly"
     """dpo, kto: the frozen reference's log-probs computed for every batch (on_the_fly), or
     once per dataset before the first step and kept on disk, keyed by model and data, in

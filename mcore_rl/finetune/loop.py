@@ -52,7 +52,7 @@ def run_finetune(cfg: RLConfig, ctx: ParallelContext, stop=None) -> FinetuneRun:
             run.step += 1
             metrics = finetune_step(run)
             if _validation_due(run):
-                metrics |= run.job.validate(run)
+                metrics |= validate(run)
             run.log.log(run.step, metrics, console=False)
             if ctx.is_controller and run.step % cfg.logging.log_every == 0:
                 print(step_line(run.step, metrics), flush=True)
@@ -66,6 +66,16 @@ def run_finetune(cfg: RLConfig, ctx: ParallelContext, stop=None) -> FinetuneRun:
                 raise StopRequested(run.step, path)
         finish(run)
     return run
+
+
+def validate(run: FinetuneRun) -> dict[str, float]:
+    """The job's held-out metrics, and the greedy ``val/score`` when it is on."""
+    from mcore_rl.finetune.greedy_score import greedy_score
+
+    metrics = run.job.validate(run)
+    if run.scorer is not None:
+        metrics |= greedy_score(run.scorer, run.step)
+    return metrics
 
 
 def _validation_due(run: FinetuneRun) -> bool:
@@ -103,7 +113,7 @@ def resume_or_start(run: FinetuneRun) -> None:
                   f"{losses[-1]:.3f}", flush=True)
     open_reference_cache(run)
     if cfg.train.val_every:
-        metrics = run.job.validate(run)
+        metrics = validate(run)
         if metrics:
             run.log.log(0, metrics, console=False)
             if run.ctx.is_controller:
@@ -133,7 +143,7 @@ def warm_start(run: FinetuneRun) -> list[float]:
     return losses
 
 
-LINE_KEYS = ("loss", "rewards/accuracy", "rewards/margin", "kto/kl", "val/loss",
+LINE_KEYS = ("loss", "rewards/accuracy", "rewards/margin", "kto/kl", "val/score", "val/loss",
              "val/preference_accuracy", "val/reward_accuracy", "val/rm_accuracy")
 
 
@@ -142,6 +152,9 @@ def step_line(step: int, metrics: dict[str, float]) -> str:
 
 
 def finish(run: FinetuneRun) -> None:
+    from mcore_rl.finetune.greedy_score import close
+
+    close(run.scorer)
     if run.ctx.is_controller:
         history = run.log.history()
         run.log.close()

@@ -14,6 +14,7 @@ from mcore_rl.data.finetune_sources import finetune_rows
 from mcore_rl.data.prompts import PromptStream
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.finetune.jobs import FINETUNE_JOBS, FinetuneJob
+from mcore_rl.finetune.greedy_score import ScoreState, build_score_state
 from mcore_rl.finetune.logps import completion_logps
 from mcore_rl.finetune.reference_cache import ReferenceCache, cache_key
 from mcore_rl.metrics_log import MetricsLog
@@ -61,6 +62,8 @@ class FinetuneRun:
     val_examples: list
     log: MetricsLog
     checkpoints: RunCheckpoints
+    scorer: ScoreState | None = None
+    """Greedy validation through the rollout engine (``finetune.val_score``)."""
     reference_cache: ReferenceCache | None = None
     """``finetune.reference_logps: cached``: the reference's log-probs by sequence."""
     step: int = 0
@@ -116,8 +119,11 @@ def build_finetune_run(cfg: RLConfig, ctx: ParallelContext) -> FinetuneRun:
         reference = build_engine(ref.chunks, ctx, vocab_size=vocab)
     log = MetricsLog(cfg.logging.dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                      progress_bar=cfg.logging.progress_bar, enabled=ctx.is_controller)
+    scorer = None
+    if job.engine_kind == "lm":
+        scorer = build_score_state(cfg, ctx, model_dir, tokenizer, model, built.spec.arch)
     return FinetuneRun(cfg=cfg, ctx=ctx, job=job, model_dir=model_dir, tokenizer=tokenizer,
-                       model=model, reference=reference,
+                       model=model, reference=reference, scorer=scorer,
                        examples=PromptStream(examples, cfg.data.seed), val_examples=val_examples,
                        log=log, checkpoints=RunCheckpoints.for_config(cfg))
 

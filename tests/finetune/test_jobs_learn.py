@@ -68,3 +68,13 @@ def test_sft_lowers_the_held_out_loss(tmp_path):
     history = shared_world(1).run(_run, "sft_quickstart.yaml", [f"logging.dir={tmp_path}"])[0]
     loss = values(history, "val/loss")
     assert loss[-1] < 0.5 * loss[0], loss
+
+
+def test_greedy_val_score_follows_the_policy_through_the_rollout_engine(tmp_path):
+    history = shared_world(1).run(_run, "sft_quickstart.yaml", [
+        f"logging.dir={tmp_path}", "train.steps=60", "train.val_every=20", "finetune.val_score=true",
+        "rollout.engine=hf", "rollout.max_new_tokens=3"])[0]
+    scores = values(history, "val/score")
+    assert [h["step"] for h in history if "val/score" in h] == [0, 20, 40, 60]
+    assert scores[-1] >= scores[0] + 0.2, scores  # held-out sums answered greedily
+    assert values(history, "sync/verify_max_abs_diff")[0] < 1e-4  # engine and trainer agree
