@@ -365,10 +365,11 @@ class FinetuneConfig:
 class TrainConfig:
     """The run as a whole."""
 
-    job: Literal["rl", "smoke", "sft", "rm", "dpo", "kto"] = "rl"
+    job: Literal["rl", "smoke", "sft", "rm", "dpo", "kto", "online_dpo"] = "rl"
     """rl: the RL loop; smoke: a synthetic next-token run that checks a parallel layout;
     sft, rm, dpo, kto: supervised fine-tuning, reward-model training, DPO and KTO on a
-    dataset (section ``finetune``)."""
+    dataset (section ``finetune``); online_dpo: DPO on pairs the rollout engine samples
+    and the reward ranks, every step."""
     steps: int = 20
     """RL steps (generate -> score -> update -> sync)."""
     seed: int = 1234

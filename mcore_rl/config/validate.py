@@ -114,7 +114,9 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
                           f"{r.max_new_tokens}; lower it or raise rollout.max_new_tokens")
     if cfg.train.job in FINETUNE_JOB_NAMES:
         validate_finetune(cfg, shape, dp)
-    elif r.max_prompt_tokens + r.max_new_tokens > shape.max_position_embeddings:
+    generates = (cfg.train.job not in FINETUNE_JOB_NAMES or cfg.train.job == "online_dpo"
+                 or cfg.finetune.val_score)
+    if generates and r.max_prompt_tokens + r.max_new_tokens > shape.max_position_embeddings:
         raise ConfigError(
             f"rollout.max_prompt_tokens + rollout.max_new_tokens = {r.max_prompt_tokens} + "
             f"{r.max_new_tokens} exceeds the model's {shape.max_position_embeddings} positions "
@@ -127,7 +129,7 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
     return cfg
 
 
-FINETUNE_JOB_NAMES = ("sft", "rm", "dpo", "kto")
+FINETUNE_JOB_NAMES = ("sft", "rm", "dpo", "kto", "online_dpo")
 
 
 def validate_finetune(cfg: RLConfig, shape: ModelShape, dp: int) -> None:
@@ -144,6 +146,9 @@ def validate_finetune(cfg: RLConfig, shape: ModelShape, dp: int) -> None:
         raise ConfigError(f"finetune.batch_size={f.batch_size} {unit} cannot feed {dp} data-parallel "
                           f"rank(s){' with ' + str(p.pp) + ' interleaved stages' if p.vpp else ''}; "
                           f"set finetune.batch_size >= {need}")
+    if job == "online_dpo" and cfg.rollout.n_samples_per_prompt != 2:
+        raise ConfigError(f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}: online DPO "
+                          "pairs two responses per prompt; set rollout.n_samples_per_prompt=2")
     if job == "rm" and cfg.train.warm_start_steps:
         raise ConfigError("train.warm_start_steps: the supervised warm start trains a causal LM, "
                           "not a reward model's scalar head; set train.warm_start_steps=0 for "

@@ -173,5 +173,6 @@ def kto_examples(rows: list[dict], cfg: RLConfig, tokenizer: Tokenizer, where: s
     return _finish(report, out, where), report
 
 
-EXAMPLES = {"sft": sft_examples, "dpo": pair_examples, "rm": pair_examples, "kto": kto_examples}
+EXAMPLES = {"sft": sft_examples, "dpo": pair_examples, "rm": pair_examples, "kto": kto_examples,
+            "online_dpo": pair_examples}
 """``train.job`` -> its tokenizer of records."""

@@ -5,4 +5,4 @@ from mcore_rl.finetune.jobs import FINETUNE_JOBS
 
 __all__ = ["FINETUNE_JOBS"]
 
-from mcore_rl.finetune import dpo, kto, rm, sft  # noqa: E402,F401  (they register themselves)
+from mcore_rl.finetune import dpo, kto, online_dpo, rm, sft  # noqa: E402,F401  (they register themselves)

@@ -24,7 +24,7 @@ def start_tokenizer(cfg: RLConfig) -> Tokenizer:
 
 
 def check_finetune_job(cfg: RLConfig) -> None:
-    if cfg.train.job == "dpo":
+    if cfg.train.job in ("dpo", "online_dpo"):
         try:
             DPO_LOSSES.entry(cfg.finetune.dpo_loss)
         except UsageError as err:

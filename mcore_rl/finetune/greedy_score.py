@@ -38,10 +38,11 @@ class ScoreState:
         return self.cfg.rollout.placement == "colocated"
 
 
-def build_score_state(cfg: RLConfig, ctx: ParallelContext, model_dir: Path, tokenizer, model, arch
-                      ) -> ScoreState | None:
-    """The engine and weight sync for greedy validation; None when it is off."""
-    if not (cfg.finetune.val_score and cfg.train.val_every and cfg.data.num_val):
+def build_score_state(cfg: RLConfig, ctx: ParallelContext, model_dir: Path, tokenizer, model, arch,
+                      always: bool = False) -> ScoreState | None:
+    """The engine and weight sync for greedy validation (and, ``always``, for an online
+    job's sampling); None when neither needs them."""
+    if not always and not (cfg.finetune.val_score and cfg.train.val_every and cfg.data.num_val):
         return None
     from mcore_rl.data.prompts import load_prompt_records
     from mcore_rl.engines import build_rollout_engine
@@ -66,7 +67,7 @@ def greedy_score(state: ScoreState, step: int) -> dict[str, float]:
     from mcore_rl.rl import phases
 
     state.step = step
-    metrics = phases.sync_weights(state)
+    metrics = {} if state.cfg.train.job == "online_dpo" else phases.sync_weights(state)
     batch = phases.score(state, phases.generate(state, state.val_records, greedy=True))
     return {"val/score": batch["scores"].mean().item(),
             **{k: v for k, v in metrics.items() if k == "sync/verify_max_abs_diff"}}

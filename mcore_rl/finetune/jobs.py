@@ -28,6 +28,8 @@ class FinetuneJob:
     """Whether the loss needs a frozen reference model."""
     unit = "record"
     """What ``finetune.batch_size`` counts."""
+    online = False
+    """Whether batches come from the rollout engine (`next_batch`) instead of the dataset."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -35,6 +37,15 @@ class FinetuneJob:
 
     def batch(self, examples: list, pad_id: int) -> Batch:
         raise NotImplementedError
+
+    def next_batch(self, run) -> Batch | None:
+        """This step's batch: ``finetune.batch_size`` records of the dataset (None: no
+        update this step)."""
+        return self.batch(run.examples.take(self.f.batch_size), run.tokenizer.pad_id)
+
+    def after_update(self, run) -> dict[str, float]:
+        """Work after the optimizer step (online jobs: the weight sync); its metrics."""
+        return {}
 
     def prepare(self, run, batch: Batch) -> Batch:
         """Fields the loss needs from frozen models (collective). Default: none."""

@@ -22,7 +22,11 @@ def finetune_step(run: FinetuneRun) -> dict[str, float]:
     """One optimizer step over ``finetune.batch_size`` records; the step's metrics."""
     t0 = time.perf_counter()
     computed = run.reference_cache.computed if run.reference_cache is not None else 0
-    batch = run.job.batch(run.examples.take(run.cfg.finetune.batch_size), run.tokenizer.pad_id)
+    batch = run.job.next_batch(run)
+    online = {} if run.last_rollout_reward is None else {
+        "reward/mean": run.last_rollout_reward, "pairs": 0.0 if batch is None else len(batch) / 2}
+    if batch is None:  # an online step whose samples all tied: nothing to learn from
+        return online
     batch = run.job.prepare(run, batch)
     t1 = time.perf_counter()
     cache = {} if run.reference_cache is None else {
@@ -33,11 +37,12 @@ def finetune_step(run: FinetuneRun) -> dict[str, float]:
                              f"{result.loss:.4g}); the update was not applied; lower optimizer.lr, "
                              "or set train.on_nonfinite=skip")
     run.losses.append(result.loss)
+    online |= run.job.after_update(run)
     seconds = time.perf_counter() - t0
     tokens = float(batch["attention_mask"].sum())
     return {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
             **run.job.step_metrics(dict(result.metrics)), "skipped_update": float(not result.applied),
-            **cache, "time/reference": t1 - t0, "time/step": seconds, "perf/tokens_per_s": tokens / seconds}
+            **cache, **online, "time/reference": t1 - t0, "time/step": seconds, "perf/tokens_per_s": tokens / seconds}
 
 
 def run_finetune(cfg: RLConfig, ctx: ParallelContext, stop=None) -> FinetuneRun:
@@ -85,7 +90,8 @@ def _validation_due(run: FinetuneRun) -> bool:
 
 def save(run: FinetuneRun):
     return run.checkpoints.save(run.step, run.engines(), {
-        "data_position": run.examples.position, "losses": run.losses})
+        "data_position": run.examples.position, "losses": run.losses,
+        "prompt_position": run.prompts.position if run.prompts is not None else 0})
 
 
 def resume_or_start(run: FinetuneRun) -> None:
@@ -100,6 +106,11 @@ def resume_or_start(run: FinetuneRun) -> None:
         state = run.checkpoints.load(resume.path, run.engines())
         run.step, run.examples.position = state["step"], state["data_position"]
         run.losses = list(state["losses"])
+        if run.prompts is not None:
+            from mcore_rl.rl import phases
+
+            run.prompts.position = state["prompt_position"]
+            phases.sync_weights(run.scorer)  # the engine gets the checkpoint's weights
         run.log.truncate_after(run.step)
         if run.ctx.is_controller:
             print(f"mcore-rl: resumed from {resume.path} at step {run.step}", flush=True)
@@ -108,6 +119,10 @@ def resume_or_start(run: FinetuneRun) -> None:
     run.log.truncate_after(-1)
     if cfg.train.warm_start_steps:
         losses = warm_start(run)
+        if run.job.online:
+            from mcore_rl.rl import phases
+
+            phases.sync_weights(run.scorer)  # the engine samples from the warm-started policy
         if run.ctx.is_controller:
             print(f"mcore-rl: warm start {len(losses)} steps, loss {losses[0]:.3f} -> "
                   f"{losses[-1]:.3f}", flush=True)
@@ -143,7 +158,7 @@ def warm_start(run: FinetuneRun) -> list[float]:
     return losses
 
 
-LINE_KEYS = ("loss", "rewards/accuracy", "rewards/margin", "kto/kl", "val/score", "val/loss",
+LINE_KEYS = ("loss", "reward/mean", "pairs", "rewards/accuracy", "rewards/margin", "kto/kl", "val/score", "val/loss",
              "val/preference_accuracy", "val/reward_accuracy", "val/rm_accuracy")
 
 

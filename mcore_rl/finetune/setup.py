@@ -62,6 +62,9 @@ class FinetuneRun:
     val_examples: list
     log: MetricsLog
     checkpoints: RunCheckpoints
+    prompts: PromptStream | None = None
+    """Prompts of an online job (``data``), in seeded epochs."""
+    last_rollout_reward: float | None = None
     scorer: ScoreState | None = None
     """Greedy validation through the rollout engine (``finetune.val_score``)."""
     reference_cache: ReferenceCache | None = None
@@ -121,9 +124,15 @@ def build_finetune_run(cfg: RLConfig, ctx: ParallelContext) -> FinetuneRun:
                      progress_bar=cfg.logging.progress_bar, enabled=ctx.is_controller)
     scorer = None
     if job.engine_kind == "lm":
-        scorer = build_score_state(cfg, ctx, model_dir, tokenizer, model, built.spec.arch)
+        scorer = build_score_state(cfg, ctx, model_dir, tokenizer, model, built.spec.arch,
+                                   always=job.online)
+    prompts = None
+    if job.online:
+        from mcore_rl.data.prompts import load_prompt_records
+
+        prompts = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
     return FinetuneRun(cfg=cfg, ctx=ctx, job=job, model_dir=model_dir, tokenizer=tokenizer,
-                       model=model, reference=reference, scorer=scorer,
+                       model=model, reference=reference, scorer=scorer, prompts=prompts,
                        examples=PromptStream(examples, cfg.data.seed), val_examples=val_examples,
                        log=log, checkpoints=RunCheckpoints.for_config(cfg))
 

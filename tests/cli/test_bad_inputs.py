@@ -172,6 +172,8 @@ CASES = [
      "data.source=reasoning_gym cannot feed train.job=sft", "use jsonl or parquet"),
     (["train.job=sft", "finetune.messages_key=", "data.source=jsonl", "data.path={d}/empty.jsonl"],
      "{d}/empty.jsonl has no usable record (it is empty)", "check the field names"),
+    (["train.job=online_dpo"], "rollout.n_samples_per_prompt=8: online DPO pairs two responses",
+     "set rollout.n_samples_per_prompt=2"),
     (["train.job=dpo", "checkpoint.resume=auto", "logging.dir={d}/earlier_run"],
      "holds an earlier run but no usable checkpoint", "checkpoint.resume=never"),
 ] + RANGE_CASES
