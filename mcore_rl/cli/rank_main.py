@@ -42,6 +42,12 @@ def rank_main(cfg: RLConfig) -> None:
             train(cfg, ctx, stop=stop)
             destroy_parallel(keep_process_group=False)
             return
+        if cfg.train.job != "smoke":  # sft, rm, dpo, kto
+            from mcore_rl.finetune.loop import run_finetune
+
+            run_finetune(cfg, ctx, stop=stop)
+            destroy_parallel(keep_process_group=False)
+            return
         losses = run_smoke(cfg, ctx, steps=cfg.train.steps, stop=stop)
     except UsageError as err:
         # Bad input found by a rank (e.g. a reward function that raises): one line, exit 2.

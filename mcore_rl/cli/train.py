@@ -27,6 +27,10 @@ def run(args) -> int:
         from mcore_rl.rl.setup import check_job
 
         check_job(cfg)
+    elif cfg.train.job != "smoke":
+        from mcore_rl.finetune.check import check_finetune_job
+
+        check_finetune_job(cfg)
     else:
         from mcore_rl.train.run_checkpoints import RunCheckpoints
 

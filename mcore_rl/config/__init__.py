@@ -1,13 +1,15 @@
 """Typed configuration: dataclass sections, YAML loading, overrides, validation."""
 from mcore_rl.config.loader import dump_yaml, load_config
-from mcore_rl.config.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, LaunchConfig,
-                                      LoggingConfig, MoEConfig, ModelConfig, OptimizerConfig,
-                                      ParallelConfig, RewardConfig, RLConfig, RolloutConfig, TrainConfig)
+from mcore_rl.config.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, FinetuneConfig,
+                                      LaunchConfig, LoggingConfig, MoEConfig, ModelConfig,
+                                      OptimizerConfig, ParallelConfig, RewardConfig, RLConfig,
+                                      RolloutConfig, TrainConfig)
 from mcore_rl.config.validate import validate_config, validate_layout
 
 __all__ = [
     "RLConfig", "ModelConfig", "ParallelConfig", "RolloutConfig", "AlgorithmConfig",
     "OptimizerConfig", "DataConfig", "RewardConfig", "CheckpointConfig", "LoggingConfig",
-    "LaunchConfig", "TrainConfig", "MoEConfig", "load_config", "dump_yaml", "validate_config",
+    "LaunchConfig", "TrainConfig", "MoEConfig", "FinetuneConfig", "load_config", "dump_yaml",
+    "validate_config",
     "validate_layout",
 ]

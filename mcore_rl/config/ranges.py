@@ -111,6 +111,13 @@ RANGES: dict[str, Range] = {
     "train.warm_start_lr": NON_NEGATIVE,
     "train.warm_start_batch": COUNT,
     "train.max_staleness": Range(low=0, fix="0 keeps every update on-policy"),
+    "finetune.batch_size": COUNT,
+    "finetune.max_length": COUNT,
+    "finetune.beta": Range(low=0, low_open=True, fix="e.g. 0.1"),
+    "finetune.label_smoothing": Range(low=0, high=0.5, high_open=True,
+                                      fix="0 is plain DPO; conservative DPO takes e.g. 0.1"),
+    "finetune.desirable_weight": POSITIVE,
+    "finetune.undesirable_weight": POSITIVE,
 }
 
 

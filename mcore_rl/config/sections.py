@@ -333,11 +333,60 @@ class LaunchConfig:
 
 
 @dataclass
-class TrainConfig:
-    """The RL run as a whole."""
+class FinetuneConfig:
+    """The supervised and preference jobs (``train.job`` sft | rm | dpo | kto): record fields,
+    batch and loss. Their data come from ``data`` (source, path, val_path, num_val, seed,
+    prompt_key, apply_chat_template); their steps, seed and validation interval from ``train``."""
 
-    job: Literal["rl", "smoke"] = "rl"
-    """rl: the RL loop; smoke: a synthetic next-token run that checks a parallel layout."""
+    batch_size: int = 16
+    """Records per optimizer step: pairs (dpo, rm) or completions (sft, kto)."""
+    max_length: int | None = None
+    """Longest prompt + completion in tokens; longer records are counted and left out.
+    None: the model's positions (max_position_embeddings)."""
+    completion_key: str = "completion"
+    """Field of the completion (sft, kto)."""
+    messages_key: str = "messages"
+    """Field of a chat conversation (sft; used when a record has it): the last message is
+    the completion (it must be the assistant's), the ones before it the prompt."""
+    chosen_key: str = "chosen"
+    """Field of the preferred completion (dpo, rm)."""
+    rejected_key: str = "rejected"
+    """Field of the dispreferred completion (dpo, rm)."""
+    label_key: str = "label"
+    """Field of a KTO record's label: true/1/"desirable" or false/0/"undesirable"."""
+    margin_key: str = ""
+    """rm: field of a per-pair margin in the Bradley-Terry loss
+    -log sigmoid(r_chosen - r_rejected - margin); empty: no margin."""
+    dpo_loss: str = "sigmoid"
+    """Registered DPO loss (`mcore_rl.algos.preference.DPO_LOSSES`): sigmoid (DPO; with
+    label_smoothing > 0 conservative DPO), ipo (length-normalised), hinge."""
+    beta: float = 0.1
+    """Strength of the tie to the reference (dpo, kto): implicit reward beta * log-ratio."""
+    label_smoothing: float = 0.0
+    """dpo sigmoid: assumed fraction of flipped labels (conservative DPO); 0: plain DPO."""
+    desirable_weight: float = 1.0
+    """kto: weight of the loss of desirable completions."""
+    undesirable_weight: float = 1.0
+    """kto: weight of the loss of undesirable completions."""
+    val_score: bool = False
+    """sft, dpo, kto: also log the greedy ``val/score`` on the task's validation prompts (as
+    the RL job does: the rollout engine ``rollout.engine`` answers after a weight sync, the
+    reward ``reward.name`` scores) at step 0 and every ``train.val_every`` steps."""
+    reference_logps: Literal["on_the_fly", "cached"] = "on_the_fly"
+    """dpo, kto: the frozen reference's log-probs computed for every batch (on_the_fly), or
+    once per dataset before the first step and kept on disk, keyed by model and data, in
+    <logging.dir>/reference_cache/ (cached; a resumed run reads them back)."""
+
+
+@dataclass
+class TrainConfig:
+    """The run as a whole."""
+
+    job: Literal["rl", "smoke", "sft", "rm", "dpo", "kto", "online_dpo"] = "rl"
+    """rl: the RL loop; smoke: a synthetic next-token run that checks a parallel layout;
+    sft, rm, dpo, kto: supervised fine-tuning, reward-model training, DPO and KTO on a
+    dataset (section ``finetune``); online_dpo: DPO on pairs the rollout engine samples
+    and the reward ranks, every step."""
     steps: int = 20
     """RL steps (generate -> score -> update -> sync)."""
     seed: int = 1234
@@ -395,3 +444,5 @@ class RLConfig:
     """Launch."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Run length and seeds."""
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    """The supervised and preference jobs."""

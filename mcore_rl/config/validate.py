@@ -150,7 +150,7 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
     the first problem."""
     check_ranges(cfg)
     shape = model_shape(cfg)
-    validate_layout(cfg, world_size, shape)
+    dp = validate_layout(cfg, world_size, shape)
     if shape.num_experts:
         raise ConfigError(f"model.path: {cfg.model.path} is a mixture-of-experts model, which "
                           "mcore-rl converts and runs but cannot train yet (expert weights do not "
@@ -159,7 +159,11 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
     if r.min_new_tokens > r.max_new_tokens:
         raise ConfigError(f"rollout.min_new_tokens={r.min_new_tokens} exceeds rollout.max_new_tokens="
                           f"{r.max_new_tokens}; lower it or raise rollout.max_new_tokens")
-    if r.max_prompt_tokens + r.max_new_tokens > shape.max_position_embeddings:
+    if cfg.train.job in FINETUNE_JOB_NAMES:
+        validate_finetune(cfg, shape, dp)
+    generates = (cfg.train.job not in FINETUNE_JOB_NAMES or cfg.train.job == "online_dpo"
+                 or cfg.finetune.val_score)
+    if generates and r.max_prompt_tokens + r.max_new_tokens > shape.max_position_embeddings:
         raise ConfigError(
             f"rollout.max_prompt_tokens + rollout.max_new_tokens = {r.max_prompt_tokens} + "
             f"{r.max_new_tokens} exceeds the model's {shape.max_position_embeddings} positions "
@@ -180,6 +184,32 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
                               "sleeps during the update); set rollout.placement=separate")
     validate_paths(cfg)
     return cfg
+
+
+FINETUNE_JOB_NAMES = ("sft", "rm", "dpo", "kto", "online_dpo")
+
+
+def validate_finetune(cfg: RLConfig, shape: ModelShape, dp: int) -> None:
+    """The supervised and preference jobs: lengths, batch against the layout, warm start."""
+    f, p, job = cfg.finetune, cfg.parallel, cfg.train.job
+    if f.max_length is not None and f.max_length > shape.max_position_embeddings:
+        raise ConfigError(f"finetune.max_length={f.max_length} exceeds the model's "
+                          f"{shape.max_position_embeddings} positions (max_position_embeddings); "
+                          "lower it")
+    unit = "pairs" if job in ("dpo", "rm") else "records"
+    per_rank = p.pp if p.vpp else 1  # the interleaved schedule needs pp micro-batches per rank
+    if f.batch_size < dp * per_rank:
+        need = dp * per_rank
+        raise ConfigError(f"finetune.batch_size={f.batch_size} {unit} cannot feed {dp} data-parallel "
+                          f"rank(s){' with ' + str(p.pp) + ' interleaved stages' if p.vpp else ''}; "
+                          f"set finetune.batch_size >= {need}")
+    if job == "online_dpo" and cfg.rollout.n_samples_per_prompt != 2:
+        raise ConfigError(f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}: online DPO "
+                          "pairs two responses per prompt; set rollout.n_samples_per_prompt=2")
+    if job == "rm" and cfg.train.warm_start_steps:
+        raise ConfigError("train.warm_start_steps: the supervised warm start trains a causal LM, "
+                          "not a reward model's scalar head; set train.warm_start_steps=0 for "
+                          "train.job=rm (warm-start the LM with train.job=sft first)")
 
 
 def validate_paths(cfg: RLConfig) -> None:

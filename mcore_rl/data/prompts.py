@@ -25,23 +25,30 @@ class PromptRecord:
     """The prompt's token ids, when given as tokens (used as they are: no chat template)."""
 
 
-def read_records(path: str | Path, prompt_key: str, answer_key: str) -> list[PromptRecord]:
-    """JSONL or parquet rows -> records; a missing field names the file, row and key."""
+def read_rows(path: str | Path) -> list[dict]:
+    """The rows of a JSONL or parquet file (by its suffix); one-line `UsageError` for a
+    missing file or a line that is not JSON."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"data file '{path}' does not exist")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    else:
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise UsageError(f"{path}:{n} is not valid JSON ({err.msg})") from None
+        return pq.read_table(path).to_pylist()
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise UsageError(f"{path}:{n} is not valid JSON ({err.msg})") from None
+    return rows
+
+
+def read_records(path: str | Path, prompt_key: str, answer_key: str) -> list[PromptRecord]:
+    """JSONL or parquet rows -> records; a missing field names the file, row and key."""
+    path = Path(path)
+    rows = read_rows(path)
     records = []
     for n, row in enumerate(rows, 1):
         for key, name in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):

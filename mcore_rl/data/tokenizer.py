@@ -18,6 +18,11 @@ class Tokenizer(Protocol):
     def encode_prompt(self, text: str, chat: bool) -> list[int]:
         """Prompt token ids, wrapped in the chat template when ``chat`` is true."""
 
+    def encode_conversation(self, messages: list[dict], chat: bool) -> list[int]:
+        """Token ids of chat ``messages`` ({role, content}) followed by the start of the
+        assistant's reply: the chat template when ``chat`` is true and the tokenizer has
+        one, else the contents one after another."""
+
 
 class HFTokenizer:
     """An HF tokenizer; prompts go through its chat template when asked."""
@@ -37,11 +42,15 @@ class HFTokenizer:
 
     def encode_prompt(self, text: str, chat: bool) -> list[int]:
         if chat and self.tok.chat_template:
-            out = self.tok.apply_chat_template([{"role": "user", "content": text}],
-                                               add_generation_prompt=True, tokenize=True)
+            return self.encode_conversation([{"role": "user", "content": text}], chat)
+        return self.tok.encode(text)
+
+    def encode_conversation(self, messages: list[dict], chat: bool) -> list[int]:
+        if chat and self.tok.chat_template:
+            out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5: a BatchEncoding
             return [int(i) for i in ids]
-        return self.tok.encode(text)
+        return self.tok.encode("".join(str(m["content"]) for m in messages))
 
 
 class CharTokenizer:
@@ -73,6 +82,9 @@ class CharTokenizer:
 
     def encode_prompt(self, text: str, chat: bool) -> list[int]:
         return [self.bos_id] + self.encode(text)
+
+    def encode_conversation(self, messages: list[dict], chat: bool) -> list[int]:
+        return self.encode_prompt("".join(str(m["content"]) for m in messages), chat)
 
     def save(self, directory: str | Path) -> None:
         (Path(directory) / self.FILE).write_text(json.dumps({"alphabet": self.alphabet}))

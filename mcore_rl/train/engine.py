@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from mcore_rl.data.batch import Batch
 from mcore_rl.parallel import ParallelContext, megatron_cpu_compat
-from mcore_rl.train.micro_batches import pack_micro_batches, split_for_data_parallel
+from mcore_rl.train.micro_batches import pack_micro_batches, split_for_data_parallel, units_of
 
 # loss_fn(outputs, micro_batch) -> (summed loss, unit count, {metric name: summed value})
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Tensor | int, dict]]
@@ -61,8 +61,9 @@ class TrainEngine:
     Args:
         chunks: this rank's model chunks (one per virtual pipeline stage).
         ctx: the parallel layout.
-        kind: ``"lm"`` (outputs log-probs [and entropy]) or ``"value"`` (scalar head
-            outputs, aligned as ``values``).
+        kind: ``"lm"`` (outputs log-probs [and entropy]), ``"value"`` (scalar head
+            outputs, aligned as ``values``) or ``"reward"`` (the scalar head's output at each
+            sequence's last real token, ``reward`` [b]: a reward model).
         vocab_size: real vocabulary size (padded columns are excluded from log-probs).
         micro_batch_tokens: padded-token budget of one micro-batch.
         optimizer: ``(megatron_optimizer, scheduler)`` for trainable engines, else None.
@@ -76,8 +77,8 @@ class TrainEngine:
                  vocab_size: int | None = None, micro_batch_tokens: int = 4096,
                  optimizer=None, scheduler=None, logprob_impl: str = "auto",
                  fused_lm_head: bool = True):
-        if kind not in ("lm", "value"):
-            raise ValueError(f"kind must be 'lm' or 'value', got {kind!r}")
+        if kind not in ("lm", "value", "reward"):
+            raise ValueError(f"kind must be 'lm', 'value' or 'reward', got {kind!r}")
         self.model = chunks
         self.ctx = ctx
         self.kind = kind
@@ -98,8 +99,11 @@ class TrainEngine:
                       with_entropy: bool) -> dict[str, torch.Tensor]:
         """Per-token outputs aligned to the tokens they describe; 0 on padding."""
         real = mb["attention_mask"].to(torch.float32)
-        if self.kind == "value":
+        if self.kind in ("value", "reward"):
             values = output.float().reshape(output.shape[0], output.shape[1])
+            if self.kind == "reward":  # the scalar head's output at the last real token
+                last = (mb["attention_mask"].sum(-1) - 1).clamp(min=0)
+                return {"reward": values[torch.arange(len(last)), last]}
             return {"values": shift_right(values) * real}
         tp_group = self.ctx.tp_group if self.ctx.tp > 1 else None
         if self.output_weight is not None:
@@ -122,11 +126,14 @@ class TrainEngine:
         return out
 
     def _plan(self, batch: Batch) -> list[list[int]]:
-        """This DP rank's micro-batches as index lists into ``batch``."""
+        """This DP rank's micro-batches as index lists into ``batch``. Rows that share a
+        ``pack_unit`` id (a DPO pair) stay on one rank and in one micro-batch."""
         lens = batch.seq_lens
-        mine = split_for_data_parallel(lens, self.ctx.dp)[self.ctx.dp_rank]
+        units = units_of(batch["pack_unit"], len(batch)) if "pack_unit" in batch else None
+        mine = split_for_data_parallel(lens, self.ctx.dp, units)[self.ctx.dp_rank]
         multiple = self.ctx.pp if self.ctx.vpp else 1
-        plan = pack_micro_batches(lens, mine, self.micro_batch_tokens, multiple_of=multiple)
+        plan = pack_micro_batches(lens, mine, self.micro_batch_tokens, multiple_of=multiple,
+                                  units=units)
         if self._experts_across_ranks:
             # Every micro-batch's expert layers exchange tokens with the other EP ranks, so
             # all ranks run as many micro-batches (the extra ones are all padding, no loss).

@@ -2,64 +2,92 @@
 
 Both functions return index lists into the original batch, so results computed per
 micro-batch can be put back in batch order.
+
+Both work on *packing units*: groups of sequences that must land on the same rank and in
+the same micro-batch (the chosen and rejected sides of a DPO pair, whose loss needs both).
+Without units every sequence is a unit of its own.
 """
 from __future__ import annotations
 
 import torch
 
 
-def split_for_data_parallel(seq_lens: torch.Tensor, dp_size: int) -> list[list[int]]:
-    """Assign sequences to DP ranks with balanced token counts (longest first to the
-    least-loaded rank); each rank's indices stay in batch order. Deterministic, so every
-    rank computes the same assignment without talking."""
+def units_of(unit_ids: torch.Tensor | None, n: int) -> list[list[int]]:
+    """Rows grouped by their unit id (each unit in row order, units by their first row);
+    ``None``: one unit per row."""
+    if unit_ids is None:
+        return [[i] for i in range(n)]
+    groups: dict[int, list[int]] = {}
+    for i, u in enumerate(unit_ids.tolist()):
+        groups.setdefault(int(u), []).append(i)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def split_for_data_parallel(seq_lens: torch.Tensor, dp_size: int,
+                            units: list[list[int]] | None = None) -> list[list[int]]:
+    """Assign units (default: single sequences) to DP ranks with balanced token counts
+    (largest first to the least-loaded rank); each rank's indices stay in batch order.
+    Deterministic, so every rank computes the same assignment without talking."""
+    units = units if units is not None else [[i] for i in range(len(seq_lens))]
     if dp_size == 1:
-        return [list(range(len(seq_lens)))]
-    if len(seq_lens) < dp_size:
-        raise ValueError(f"a batch of {len(seq_lens)} sequences cannot feed {dp_size} "
+        return [sorted(i for u in units for i in u)]
+    if len(units) < dp_size:
+        what = "sequences" if all(len(u) == 1 for u in units) else "packing units (pairs)"
+        raise ValueError(f"a batch of {len(units)} {what} cannot feed {dp_size} "
                          "data-parallel ranks; use at least one sequence per rank")
-    order = sorted(range(len(seq_lens)), key=lambda i: (-int(seq_lens[i]), i))
+    size = [sum(int(seq_lens[i]) for i in u) for u in units]
+    order = sorted(range(len(units)), key=lambda k: (-size[k], units[k][0]))
     loads, counts = [0] * dp_size, [0] * dp_size
     shards: list[list[int]] = [[] for _ in range(dp_size)]
-    for i in order:
+    for k in order:
         # Least tokens first; among equals, fewest sequences (so no rank ends up empty).
-        r = min(range(dp_size), key=lambda k: (loads[k], counts[k], k))
-        shards[r].append(i)
-        loads[r] += int(seq_lens[i])
-        counts[r] += 1
+        r = min(range(dp_size), key=lambda j: (loads[j], counts[j], j))
+        shards[r].extend(units[k])
+        loads[r] += size[k]
+        counts[r] += len(units[k])
     return [sorted(s) for s in shards]
 
 
 def pack_micro_batches(seq_lens: torch.Tensor, indices: list[int], token_budget: int,
-                       multiple_of: int = 1, min_count: int = 1) -> list[list[int]]:
+                       multiple_of: int = 1, min_count: int = 1,
+                       units: list[list[int]] | None = None) -> list[list[int]]:
     """Group ``indices`` into micro-batches whose padded size (sequences x longest) stays
-    within ``token_budget``. Sequences are taken in length order so similar lengths share
-    a micro-batch (little padding). The count is raised to ``min_count`` and to a multiple
-    of ``multiple_of`` (pipeline schedules need that) by splitting the largest groups.
+    within ``token_budget``. Units (default: each index alone; else the units of ``units``
+    that lie in ``indices``) are taken by their longest sequence so similar lengths share a
+    micro-batch (little padding). The count is raised to ``min_count`` and to a multiple of
+    ``multiple_of`` (pipeline schedules need that) by splitting the largest groups between
+    units.
 
-    A single sequence longer than the budget gets a micro-batch of its own.
+    A single unit larger than the budget gets a micro-batch of its own.
     """
-    order = sorted(indices, key=lambda i: (int(seq_lens[i]), i))
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in order:
-        n = int(seq_lens[i])
-        if current and max(longest, n) * (len(current) + 1) > token_budget:
+    mine = set(indices)
+    units = ([[i] for i in indices] if units is None
+             else [u for u in units if u[0] in mine])
+    longest_of = [max(int(seq_lens[i]) for i in u) for u in units]
+    order = sorted(range(len(units)), key=lambda k: (longest_of[k], units[k][0]))
+    groups: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    rows = longest = 0
+    for k in order:
+        n, size = longest_of[k], len(units[k])
+        if current and max(longest, n) * (rows + size) > token_budget:
             groups.append(current)
-            current, longest = [], 0
-        current.append(i)
+            current, rows, longest = [], 0, 0
+        current.append(units[k])
+        rows += size
         longest = max(longest, n)
     if current:
         groups.append(current)
     target = max(len(groups), min_count)
     target = -(-target // multiple_of) * multiple_of
-    if target > len(indices):
-        raise ValueError(f"{len(indices)} sequences cannot fill {target} micro-batches "
+    if target > len(units):
+        what = "sequences" if all(len(u) == 1 for u in units) else "packing units (pairs)"
+        raise ValueError(f"{len(units)} {what} cannot fill {target} micro-batches "
                          f"(pipeline schedules need a multiple of {multiple_of}); "
                          "give each data-parallel rank more sequences")
     while len(groups) < target:
-        groups.sort(key=lambda g: (-len(g), g[0]))
+        groups.sort(key=lambda g: (-len(g), g[0][0]))
         big = groups.pop(0)
         half = len(big) // 2
         groups += [big[:half], big[half:]]
-    return [sorted(g) for g in groups]
+    return [sorted(i for u in g for i in u) for g in groups]

@@ -50,6 +50,7 @@ def files(tmp_path):
     (d / "no_field.jsonl").write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
     (d / "not_json.jsonl").write_text("{oops\n")
     (d / "empty.jsonl").write_text("\n")
+    (d / "words.jsonl").write_text(json.dumps({"prompt": "hello", "completion": "world"}) + "\n")
     broken_state = d / "ckpt" / "step_000002"
     broken_state.mkdir(parents=True)
     (broken_state / "run_state.json").write_text("{truncated")
@@ -153,6 +154,32 @@ CASES = [
      "train.schedule=one_step_off trains on rollouts one weight version old", "train.max_staleness=1"),
     (["train.schedule=one_step_off", "train.max_staleness=1"],
      "which rollout.placement=colocated does not allow", "rollout.placement=separate"),
+    # the fine-tuning jobs (sft, rm, dpo, kto)
+    (["train.job=dpo", "finetune.dpo_loss=sigmoud"], "finetune.dpo_loss: unknown DPO loss 'sigmoud'",
+     "did you mean 'sigmoid'"),
+    (["train.job=dpo", "finetune.max_length=100"], "finetune.max_length=100 exceeds the model's 32 "
+                                                   "positions", "lower it"),
+    (["train.job=dpo", "finetune.batch_size=1", "--nproc", "2"], "finetune.batch_size=1 pairs cannot "
+     "feed 2 data-parallel rank(s)", "set finetune.batch_size >= 2"),
+    (["train.job=kto", "parallel.pp=2", "parallel.vpp=1", "finetune.batch_size=3", "--nproc", "4"],
+     "finetune.batch_size=3 records cannot feed 2 data-parallel rank(s) with 2 interleaved stages",
+     "set finetune.batch_size >= 4"),
+    (["train.job=rm"], "train.warm_start_steps: the supervised warm start trains a causal LM",
+     "set train.warm_start_steps=0 for train.job=rm"),
+    (["train.job=dpo", "data.source=jsonl", "data.path={d}/no_field.jsonl"],
+     "{d}/no_field.jsonl has no usable record (1 no 'prompt' field)", "check the field names"),
+    (["train.job=kto", "finetune.max_length=2"], "the built-in task (train) has no usable record "
+                                                 "(136 over 2 tokens)", "finetune.max_length"),
+    (["train.job=sft", "data.source=jsonl", "data.path={d}/words.jsonl"], "the train data cannot be "
+     "tokenized: character 'h' is not in the tokenizer's alphabet", "use a model.path whose tokenizer"),
+    (["train.job=sft", "data.source=reasoning_gym", "data.task=basic_arithmetic"],
+     "data.source=reasoning_gym cannot feed train.job=sft", "use jsonl or parquet"),
+    (["train.job=sft", "finetune.messages_key=", "data.source=jsonl", "data.path={d}/empty.jsonl"],
+     "{d}/empty.jsonl has no usable record (it is empty)", "check the field names"),
+    (["train.job=online_dpo"], "rollout.n_samples_per_prompt=8: online DPO pairs two responses",
+     "set rollout.n_samples_per_prompt=2"),
+    (["train.job=dpo", "checkpoint.resume=auto", "logging.dir={d}/earlier_run"],
+     "holds an earlier run but no usable checkpoint", "checkpoint.resume=never"),
 ] + RANGE_CASES
 
 
