@@ -174,15 +174,17 @@ def test_ray_dry_run_prints_the_ray_script_and_submits_nothing(capsys, tmp_path,
 
 @pytest.mark.parametrize("args, message", [
     (["--ray", "nope.py"], "driver script nope.py not found"),
-    (["--ray", CONFIG], "--ray runs a Python driver script, not"),
+    (["--ray", "notes.txt"], "--ray runs a Python driver script or an mcore-rl train config"),
+    (["--ray", CONFIG], "--ray runs RL jobs; train.job=smoke runs with --procs-per-node"),
+    (["--ray", "missing.yaml"], "config missing.yaml not found"),
     (["--procs-per-node", "2", "--ray", DRIVER], "--procs-per-node does not apply to --ray jobs"),
     (["--nodes", "0", "--ray", DRIVER], "--nodes must be >= 1, got 0"),
     (["--cpus-per-node", "-1", "--ray", DRIVER], "--cpus-per-node must be >= 0, got -1"),
     (["--gpus-per-node", "0", "--ray", DRIVER], "--gpus-per-node must be >= 1, got 0"),
     ([CONFIG, "--nodes", "1", "--procs-per-node", "2", "--run-dir", "x"],
      "--run-dir and --cpus-per-node are for --ray jobs"),
-], ids=["missing", "not-python", "procs-per-node", "no-nodes", "negative-cpus", "no-gpus",
-        "not-ray"])
+], ids=["missing", "not-python", "not-rl", "missing-config", "procs-per-node", "no-nodes",
+        "negative-cpus", "no-gpus", "not-ray"])
 def test_bad_ray_requests_fail_in_one_line_before_submission(capsys, args, message,
                                                               recording_sbatch):
     code, out, err = _ray_launch(capsys, "--partition", "debug", *args)
