@@ -36,7 +36,8 @@ def seed_config(tmp_path: Path):
     return load_config(REPO / "configs" / "quickstart.yaml", [
         f"logging.dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt", "parallel.tp=2",
         "rollout.n_samples_per_prompt=4", "optimizer.lr=1e-2", "reshard.verify=false",
-        "train.warm_start_steps=0", "train.val_every=0", "checkpoint.save_every=0"])
+        "train.warm_start_steps=0", "train.val_every=0", "checkpoint.save_every=0",
+        "train.max_staleness=1000"])  # unpaced: two engines run ahead of the trainer
 
 
 def seed_graph(tmp_path: Path, log: str, critic=helpers.digit_share) -> ControllerGroup:
