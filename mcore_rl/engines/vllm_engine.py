@@ -27,7 +27,8 @@ from mcore_rl.engines.placement import plan_cpu_placement
 from mcore_rl.wire import WeightSyncError
 
 TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+               "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID",
+               "TORCHELASTIC_USE_AGENT_STORE")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 WEIGHT_LOADING = ("auto", "layerwise")
 

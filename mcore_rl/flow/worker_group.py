@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
+from datetime import timedelta
 from typing import Any, Callable
 
 from mcore_rl.flow import ray_shim, services
 from mcore_rl.flow.cluster import rank_nodes
 from mcore_rl.flow.graph import build_function
 from mcore_rl.flow.placement import pin_to_cores, split_devices
+
+STORE_TIMEOUT = timedelta(minutes=30)
+"""How long a rank waits on the world's store (joining, and every collective's setup)."""
 
 RankSetup = Callable[[int, int], None]
 """Run on every rank after it joined the world, before the function is built: ``(rank,
@@ -42,25 +45,33 @@ class RankProcess:
 
             torch.set_num_threads(threads)
         self.function: Any = None
+        self._store: Any = None
 
     def where(self) -> tuple[str, int]:
         return ray_shim.node_id(), os.getpid()
 
     def rendezvous(self) -> str:
-        """A ``tcp://`` address on this rank's node for the others to join (rank 0)."""
-        host = ray_shim.require().util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{host}:{port}"
+        """Rank 0: serve the world's store on a port the OS picks (held from here on, so no
+        other process can take it between choosing and binding); ``host:port`` to join."""
+        import torch.distributed as dist
 
-    def start(self, init_method: str, function: Any, setup: RankSetup | None = None,
+        host = ray_shim.require().util.get_node_ip_address()
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True,
+                                    timeout=STORE_TIMEOUT, wait_for_workers=False)
+        return f"{host}:{self._store.port}"
+
+    def start(self, address: str, function: Any, setup: RankSetup | None = None,
               backend: str = "gloo") -> None:
         import torch.distributed as dist
 
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
                           LOCAL_RANK=str(self.rank))
-        dist.init_process_group(backend, init_method=init_method, rank=self.rank,
+        store = self._store
+        if store is None:
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), self.world_size, is_master=False,
+                                  timeout=STORE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=self.rank,
                                 world_size=self.world_size)
         if setup is not None:
             setup(self.rank, self.world_size)
@@ -110,8 +121,8 @@ class WorkerGroup:
         group = cls(ranks, [])
         try:
             group.places = ray_shim.get_all([r.where.remote() for r in ranks])
-            init_method = ray_shim.require().get(ranks[0].rendezvous.remote())
-            ray_shim.get_all([r.start.remote(init_method, spec.function, setup, backend)
+            address = ray_shim.require().get(ranks[0].rendezvous.remote())
+            ray_shim.get_all([r.start.remote(address, spec.function, setup, backend)
                               for r in ranks])
         except BaseException:
             group.kill()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from mcore_rl.parallel.ports import free_port
+from mcore_rl.parallel.ports import free_port, serve_store
 
 
 def launcher_world_size() -> int | None:
@@ -44,15 +44,15 @@ def run_ranks(entry: Callable[..., Any], args: tuple, nproc: int, threads_per_ra
     """Run ``entry(*args)`` on ``nproc`` spawned local ranks (in place when ``nproc`` is 1
     and no launcher is present). A rank that fails stops the others and raises here."""
     env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
         "OMP_NUM_THREADS": str(threads_per_rank),
     }
     if nproc == 1:
-        _rank_main(0, entry, args, env)
+        _rank_main(0, entry, args, {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
         return
+    store, store_env = serve_store(nproc)  # held here until the ranks have ended
+    env.update(store_env)
     import torch.multiprocessing as tmp
 
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # inherited before torch loads

@@ -23,13 +23,13 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-from mcore_rl.parallel.ports import free_port
+from mcore_rl.parallel.ports import serve_store
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MCORE_RL_RANK_TIMEOUT", "240"))
 ERROR_GRACE_S = 15.0  # how long the other ranks may still answer after one failed
 
 
-def _worker(rank: int, world_size: int, port: int, conn, env: dict[str, str],
+def _worker(rank: int, world_size: int, store_env: dict[str, str], conn, env: dict[str, str],
             threads: int) -> None:
     try:  # a process group of its own: killing the rank kills what it started too
         os.setpgid(0, 0)
@@ -37,8 +37,9 @@ def _worker(rank: int, world_size: int, port: int, conn, env: dict[str, str],
         pass
     os.environ.update(env)
     _exit_with_parent()
+    os.environ.update(store_env)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     import torch
@@ -107,6 +108,8 @@ class SharedWorld:
         self.env = dict(env or {})
         self._procs: list = []
         self._conns: list = []
+        self._store = None
+        """The world's TCPStore, served from this process while the ranks live."""
 
     def __enter__(self) -> "SharedWorld":
         return self
@@ -117,10 +120,10 @@ class SharedWorld:
     def start(self) -> None:
         atexit.register(self.close, kill=True)  # ranks are not daemons: never leave them behind
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self._store, store_env = serve_store(self.world_size)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, child, self.env,
+            p = ctx.Process(target=_worker, args=(rank, self.world_size, store_env, child, self.env,
                                                       self.threads_per_rank),
                             daemon=False, name=f"rank{rank}")  # ranks may spawn helpers
             p.start()
@@ -177,3 +180,4 @@ class SharedWorld:
                 _kill_group(p.pid)
                 p.join(timeout=5)
         self._procs, self._conns = [], []
+        self._store = None
