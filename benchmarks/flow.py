@@ -39,6 +39,7 @@ def run_driver(mode: str, config: Path, overrides: list[str], steps: int, work: 
 
 
 _median = median_of
+MODES = ("loop", "cli", "api", "graph")
 
 
 def main(argv=None) -> int:
@@ -49,11 +50,18 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="torch threads in all per run")
     p.add_argument("--quick", action="store_true", help="4 steps, 1 warm-up (for tests)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated runs to measure, of {', '.join(MODES)} (default: all); "
+                        "loop is the baseline of every comparison but one_step_off_vs_sync")
     args = p.parse_args(argv)
     steps, warmup = (4, 1) if args.quick else (args.steps, args.warmup)
     if steps <= warmup + 1:
         raise UsageError(f"--steps {steps} leaves too few steps after --warmup {warmup}; "
                          f"give at least {warmup + 2}")
+    modes = [m for m in MODES if m in args.modes.split(",")]
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown or not modes:
+        raise UsageError(f"--modes {args.modes}: choose among {', '.join(MODES)}")
     from mcore_rl.config import load_config
 
     config = _config_path(args.config)
@@ -62,7 +70,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="mcore-rl-bench-flow-") as tmp:
         work = Path(tmp)
         runs = {}
-        for mode in ("loop", "cli", "api", "graph"):
+        for mode in modes:
             overrides = our_overrides(load_config(str(config)), steps, work / mode,
                                       args.threads, "fp32")
             _log(f"{mode}: {steps} steps")
@@ -70,27 +78,28 @@ def main(argv=None) -> int:
                 runs[mode] = {"steps": run_ours(config, overrides, work / mode)}
             else:
                 runs[mode] = run_driver(mode, config, overrides, steps, work)
-    loop, cli, api = (runs[m]["steps"][warmup:] for m in ("loop", "cli", "api"))
-    graph_warm = runs["graph"]["steps"][max(0, warmup - 1):]  # intervals start at step 2
-    base = _median(loop, "step")
-    report["step_time"] = {
-        "cli_vs_loop": time_comparison(_median(cli, "step"), base),
-        "api_vs_loop": time_comparison(_median(api, "step"), base),
-        "one_step_off_vs_loop": time_comparison(_median(graph_warm, "step"), base),
-        "one_step_off_vs_sync": time_comparison(_median(graph_warm, "step"), _median(cli, "step")),
-    }
-    # What an update call costs beyond its phases in the ranks: the Ray calls, the batch
-    # through the object store, the driver.
-    report["api_update_call_overhead_s"] = _median(api, "update") - _median(api, "update_in_ranks")
+    measured = {m: runs[m]["steps"][warmup:] for m in runs}
+    if "graph" in runs:  # its intervals start at step 2
+        measured["graph"] = runs["graph"]["steps"][max(0, warmup - 1):]
+    step = {m: _median(measured[m], "step") for m in runs}
+    comparisons = {"cli_vs_loop": ("cli", "loop"), "api_vs_loop": ("api", "loop"),
+                   "one_step_off_vs_loop": ("graph", "loop"), "one_step_off_vs_sync": ("graph", "cli")}
+    report["step_time"] = {name: time_comparison(step[ours], step[base])
+                           for name, (ours, base) in comparisons.items() if ours in runs and base in runs}
+    if "api" in runs:
+        api = measured["api"]
+        # What an update call costs beyond its phases in the ranks: the Ray calls, the batch
+        # through the object store, the driver.
+        report["api_update_call_overhead_s"] = _median(api, "update") - _median(api, "update_in_ranks")
+        report["api_phases_s"] = {k: _median(api, k) for k in ("sample", "score", "update")}
     report["tokens_per_step"] = {m: _median(runs[m]["steps"], "tokens") for m in runs}
-    report["steps_measured"] = {"loop": len(loop), "cli": len(cli), "api": len(api),
-                                "graph": len(graph_warm)}
-    report["api_phases_s"] = {k: _median(api, k) for k in ("sample", "score", "update")}
-    report["graph_roles"] = runs["graph"]["roles"]
-    report["graph_table"] = runs["graph"]["table"]
+    report["steps_measured"] = {m: len(measured[m]) for m in runs}
+    if "graph" in runs:
+        report["graph_roles"] = runs["graph"]["roles"]
+        report["graph_table"] = runs["graph"]["table"]
     out = write_json(args.json, rounded(report))
-    _log(f"step time: loop {base:.3f} s, mcore-rl train {_median(cli, 'step'):.3f} s, api "
-         f"{_median(api, 'step'):.3f} s, one step off {_median(graph_warm, 'step'):.3f} s per "
-         f"trained batch; {out}")
-    print(runs["graph"]["table"], flush=True)
+    names = {"loop": "loop", "cli": "mcore-rl train", "api": "api", "graph": "one step off"}
+    _log("step time: " + ", ".join(f"{names[m]} {step[m]:.3f} s" for m in runs) + f"; {out}")
+    if "graph" in runs:
+        print(runs["graph"]["table"], flush=True)
     return 0

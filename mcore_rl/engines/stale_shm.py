@@ -1,7 +1,8 @@
 """Shared memory that killed engines left behind, removed at the next start.
 
-vLLM's engine processes talk through POSIX shared memory (``/dev/shm/psm_*``) and
-semaphores (``/dev/shm/sem.mp-*``); a process killed with SIGKILL cannot unlink them, so
+vLLM's engine processes talk through POSIX shared memory (``/dev/shm/psm_*``, and
+``vllm_dist_*`` between the ranks of a tensor-parallel CPU engine) and semaphores
+(``/dev/shm/sem.mp-*``); a process killed with SIGKILL cannot unlink them, so
 each killed run leaves some in the tmpfs (RAM). A file is stale when it belongs to this
 user, is older than a minute, and no running process maps or holds it open.
 """
@@ -11,18 +12,18 @@ import os
 import time
 from pathlib import Path
 
-PATTERNS = ("psm_*", "sem.mp-*")
+PATTERNS = ("psm_*", "sem.mp-*", "vllm_dist_*")
 MIN_AGE_S = 60.0
 
 
-def _in_use(directory: str) -> set[str]:
-    """Paths in ``directory`` that some process maps or has open (of the processes we may
-    look into)."""
+def _in_use(directory: str, pids=None) -> set[str]:
+    """Paths in ``directory`` that some process (of ``pids``; default all we may look
+    into) maps or has open."""
     prefix = directory.rstrip("/") + "/"
     used: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    procs = [Path("/proc") / str(pid) for pid in pids] if pids is not None else \
+        [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+    for proc in procs:
         try:
             for line in (proc / "maps").read_text().splitlines():
                 if prefix in line:
@@ -68,3 +69,26 @@ def remove_stale_shared_memory(directory: str = "/dev/shm") -> tuple[int, int]:
             continue
         removed, freed = removed + 1, freed + size
     return removed, freed
+
+
+def shared_memory_of(pids, directory: str = "/dev/shm") -> set[str]:
+    """The shared-memory files that the processes ``pids`` map or hold open."""
+    return _in_use(str(Path(directory).resolve()), pids)
+
+
+def remove_unused(paths, directory: str = "/dev/shm") -> int:
+    """Unlink those of ``paths`` that no running process maps or holds any more (those of
+    processes just killed); how many were removed."""
+    if not paths:
+        return 0
+    used = _in_use(str(Path(directory).resolve()))
+    removed = 0
+    for path in paths:
+        if path in used:
+            continue
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed

@@ -33,6 +33,21 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 WEIGHT_LOADING = ("auto", "layerwise")
 
 
+def _quiet_engine_monitor(client) -> None:
+    """Tell vLLM's engine-core monitor (a thread of the client) that the processes it
+    watches are being ended on purpose, so that it neither reports them as died nor starts
+    a shutdown of its own (whose grace period would log "force killing" for a process
+    that is merely being reaped)."""
+    resources = getattr(client, "resources", None)
+    if resources is None:
+        return
+    resources.engine_dead = True
+    manager = getattr(resources, "engine_manager", None)
+    if manager is not None and hasattr(manager, "manager_stopped"):
+        manager.manager_stopped.set()
+        manager._finalizer.detach()
+
+
 @contextlib.contextmanager
 def _engine_environment(values: dict[str, str]):
     """Set ``values`` and hide a trainer rank's torch.distributed variables, then restore."""
@@ -221,23 +236,34 @@ class VLLMEngine(RolloutEngine):
                 if p.pid in self._own_pids]
 
     def close(self) -> None:
-        """Shut the engine down; its processes are killed if they do not exit."""
+        """Shut the engine down: its processes are killed at once and the shared memory they
+        held is unlinked. (vLLM's own shutdown asks its worker to exit, waits about 5 s for
+        the engine core and then kills it anyway; an engine being discarded needs none of
+        that.)"""
         import psutil
+
+        from mcore_rl.engines.stale_shm import remove_unused, shared_memory_of
 
         engine = getattr(self, "llm", None)
         if engine is None:
             return
         pids = self.process_ids()
         self._calls.close()
-        if self._calls.processes.problem() is None:
-            engine.llm_engine.engine_core.shutdown()
-        self.llm = None
+        held = shared_memory_of(pids)
+        client = engine.llm_engine.engine_core
+        _quiet_engine_monitor(client)
         procs = []
         for pid in pids:
             try:
                 procs.append(psutil.Process(pid))
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=5)
-        for proc in alive:
-            proc.kill()
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=5)
+        client.shutdown()  # its processes are gone: this releases the client's side
+        self.llm = None
+        remove_unused(held)

@@ -3,6 +3,8 @@
 One engine for the module: tiny Qwen2 (QKV bias, tied embeddings), fp32, engine TP1. The
 oracle is HF transformers on the same weights (logits, greedy tokens).
 """
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -196,3 +198,19 @@ def test_a_session_that_never_sent_a_parameter_fails_by_name(engine, dirs, origi
     with pytest.raises(WeightSyncError, match="did not send model.norm.weight"):
         engine.update_weights(tensors.items(), version=8, bucket_mb=0.05)
     assert not engine.consistent
+
+
+def test_close_ends_the_engine_processes_and_unlinks_the_shared_memory_they_held(engine):
+    """(Last in the module: it closes the module's engine.)"""
+    import psutil
+
+    from mcore_rl.engines.stale_shm import shared_memory_of
+
+    pids = engine.process_ids()
+    held = shared_memory_of(pids)
+    assert pids and held, "the engine core talks to its worker through /dev/shm"
+    engine.close()
+    assert not [p for p in pids if psutil.pid_exists(p) and
+                psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in held if os.path.exists(p)]
+    engine.close()  # a second close is a no-op

@@ -50,7 +50,9 @@ def test_stop_ends_the_processes_naming_the_nodes_temp_dir_and_their_children_on
             p.wait()
 
 
-def test_each_node_gets_its_temp_dir_and_free_ports_of_its_own(ray_tmp):
+def test_each_node_gets_its_temp_dir_and_free_ports_of_its_own(ray_tmp, monkeypatch):
+    # The node name is made up: resolving it is the cluster's business (SLURM's hosts).
+    monkeypatch.setattr(ray_node, "node_ip", lambda: "127.0.0.1")
     head = ray_node.start_args("7", True, 6400, None, 4, None)
     worker = ray_node.start_args("7", False, None, "10.0.0.1:6400", 4, 1)
     assert f"--temp-dir={ray_tmp}/mcore-rl-ray-7-n1" in head and "--head" in head
