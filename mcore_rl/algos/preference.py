@@ -71,6 +71,12 @@ def dpo_hinge(x: PairLogps, beta: float, label_smoothing: float = 0.0) -> torch.
     return torch.relu(1.0 - beta * h)
 
 
+def chosen_nll(x: PairLogps) -> torch.Tensor:
+    """[P] negative log-likelihood per token of each chosen completion: the term that RPO
+    (Pang et al., 2024) adds, weighted by alpha, to each pair's DPO loss."""
+    return -x.chosen / x.chosen_tokens.clamp(min=1)
+
+
 def implicit_rewards(x: PairLogps, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) implicit rewards [P], detached."""
     return (beta * x.chosen_logratio).detach(), (beta * x.rejected_logratio).detach()

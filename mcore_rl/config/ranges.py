@@ -116,6 +116,7 @@ RANGES: dict[str, Range] = {
     "finetune.beta": Range(low=0, low_open=True, fix="e.g. 0.1"),
     "finetune.label_smoothing": Range(low=0, high=0.5, high_open=True,
                                       fix="0 is plain DPO; conservative DPO takes e.g. 0.1"),
+    "finetune.rpo_alpha": Range(low=0, fix="0 is plain DPO; RPO takes e.g. 1.0"),
     "finetune.desirable_weight": POSITIVE,
     "finetune.undesirable_weight": POSITIVE,
 }

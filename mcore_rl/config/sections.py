@@ -364,6 +364,11 @@ class FinetuneConfig:
     """Strength of the tie to the reference (dpo, kto): implicit reward beta * log-ratio."""
     label_smoothing: float = 0.0
     """dpo sigmoid: assumed fraction of flipped labels (conservative DPO); 0: plain DPO."""
+    rpo_alpha: float = 0.0
+    """dpo, online_dpo: weight of the chosen completion's negative log-likelihood per token,
+    added to each pair's DPO loss (RPO, Pang et al. 2024; TRL's ``rpo_alpha``). DPO alone
+    may lower the chosen completion's likelihood too, as long as the rejected one falls
+    faster; this term keeps the chosen one likely. 0: plain DPO."""
     desirable_weight: float = 1.0
     """kto: weight of the loss of desirable completions."""
     undesirable_weight: float = 1.0

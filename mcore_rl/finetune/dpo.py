@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_rl.algos.preference import DPO_LOSSES, PairLogps, implicit_rewards
+from mcore_rl.algos.preference import DPO_LOSSES, PairLogps, chosen_nll, implicit_rewards
 from mcore_rl.data.batch import Batch
 from mcore_rl.data.finetune_batch import pair_batch, sides
 from mcore_rl.finetune.jobs import FINETUNE_JOBS, FinetuneJob
@@ -31,13 +31,19 @@ class DPOJob(FinetuneJob):
 
     def loss_fn(self):
         loss, beta, smoothing = DPO_LOSSES.get(self.f.dpo_loss), self.f.beta, self.f.label_smoothing
+        alpha = self.f.rpo_alpha
 
         def fn(outputs, mb):
             logps, tokens = summed_logps(outputs, mb)
             (c, r), (rc, rr), (tc, tr) = sides(logps, mb), sides(mb["ref_logps"], mb), sides(tokens, mb)
             x = PairLogps(c, r, rc, rr, tc, tr)
             losses = loss(x, beta=beta, label_smoothing=smoothing)
-            return losses.sum(), len(losses), pair_metrics(*implicit_rewards(x, beta))
+            metrics = pair_metrics(*implicit_rewards(x, beta))
+            if alpha:
+                nll = chosen_nll(x)
+                losses = losses + alpha * nll
+                metrics["nll/chosen"] = nll.detach().sum()
+            return losses.sum(), len(losses), metrics
 
         return fn
 

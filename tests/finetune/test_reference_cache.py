@@ -38,7 +38,7 @@ def _history(path: Path):
 
 def test_cached_dpo_matches_on_the_fly_and_is_reused(tmp_path):
     world = shared_world(1)
-    base = ["train.steps=4", "train.val_every=2", "train.warm_start_steps=20"]
+    base = ["train.steps=4", "train.val_every=2", "train.warm_start_steps=20", "finetune.val_score=false"]
     fly = world.run(_run, "dpo_quickstart.yaml", base + [f"logging.dir={tmp_path / 'fly'}"])[0]
     cached_dir = tmp_path / "cached"
     cached = world.run(_run, "dpo_quickstart.yaml", base + [
