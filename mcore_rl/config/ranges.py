@@ -50,7 +50,9 @@ FRACTION = Range(low=0, high=1)
 RANGES: dict[str, Range] = {
     **{f"model.{name}": COUNT for name in ("num_layers", "hidden_size", "intermediate_size",
                                            "num_attention_heads", "num_kv_heads", "vocab_size",
-                                           "max_position_embeddings")},
+                                           "max_position_embeddings", "experts_per_token",
+                                           "moe_intermediate_size")},
+    "model.num_experts": Range(low=0, fix="0 is a dense model"),
     "parallel.tp": COUNT, "parallel.pp": COUNT, "parallel.vpp": COUNT, "parallel.dp": COUNT,
     "parallel.cpu_threads_per_rank": COUNT, "parallel.ep": COUNT, "parallel.etp": COUNT,
     "moe.aux_loss_coef": NON_NEGATIVE,

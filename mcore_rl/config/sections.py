@@ -33,6 +33,13 @@ class ModelConfig:
     """Longest sequence the model supports (inline architecture only)."""
     tie_word_embeddings: bool = False
     """Share input embedding and output layer (inline architecture only)."""
+    num_experts: int = 0
+    """Routed experts per layer (inline architecture only): 0 is a dense Llama; more makes a
+    Qwen3-MoE (QK norm, every layer a mixture of experts)."""
+    experts_per_token: int = 2
+    """Experts each token is routed to (inline mixture of experts only)."""
+    moe_intermediate_size: int = 64
+    """SwiGLU inner size of each expert (inline mixture of experts only)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Parameter dtype. bf16 trains with fp32 main parameters in the optimizer."""
     critic_path: str = ""
@@ -75,6 +82,12 @@ class MoEConfig:
     run on gloo and give the same results)."""
     aux_loss_coef: float = 0.0
     """Coefficient of Megatron's load-balancing loss; 0 turns it off."""
+    routing_replay: Literal["off", "old_logprob", "rollout"] = "off"
+    """Which experts the policy update routes each token to. off: its own router's choice.
+    old_logprob: those chosen in the trainer's log-prob pass before the update (the ratio's
+    denominator), so the update's first forward reproduces it exactly and a near tie that
+    round-off flips cannot move a token to another expert. rollout: those the engine chose
+    while generating (needs an engine that reports them; refused otherwise)."""
 
 
 @dataclass

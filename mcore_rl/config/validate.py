@@ -31,7 +31,8 @@ def model_shape(cfg: RLConfig) -> ModelShape:
     m = cfg.model
     if not m.path:
         return ModelShape(m.num_layers, m.num_attention_heads, m.num_kv_heads,
-                          m.max_position_embeddings)
+                          m.max_position_embeddings, m.num_experts,
+                          m.moe_intermediate_size if m.num_experts else 0)
     from mcore_rl.models.builtin import resolve_model_path
     from mcore_rl.models.hf_config import spec_from_hf_config
 
@@ -130,6 +131,10 @@ def _validate_experts(cfg: RLConfig, shape: ModelShape) -> None:
                               "needs a mixture-of-experts model and this one is dense; set "
                               "parallel.ep=1 and parallel.etp=null")
         return
+    m = cfg.model
+    if not m.path and m.experts_per_token > m.num_experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} exceeds model.num_experts="
+                          f"{m.num_experts}; route each token to at most {m.num_experts} experts")
     if shape.num_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} does not divide the model's {shape.num_experts} "
                           f"experts; choose one of {_divisors(shape.num_experts)}")
@@ -151,10 +156,14 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
     check_ranges(cfg)
     shape = model_shape(cfg)
     dp = validate_layout(cfg, world_size, shape)
-    if shape.num_experts:
-        raise ConfigError(f"model.path: {cfg.model.path} is a mixture-of-experts model, which "
-                          "mcore-rl converts and runs but cannot train yet (expert weights do not "
-                          "sync into the rollout engine); train a dense model")
+    replay = cfg.moe.routing_replay
+    if replay != "off" and not shape.num_experts:
+        raise ConfigError(f"moe.routing_replay={replay} needs a mixture-of-experts model and this "
+                          "one is dense; set moe.routing_replay=off")
+    if replay != "off" and cfg.model.recompute_activations:
+        raise ConfigError(f"moe.routing_replay={replay} with model.recompute_activations=true: a "
+                          "recomputed layer would route by the last micro-batch's replayed "
+                          "experts; set model.recompute_activations=false")
     r = cfg.rollout
     if r.min_new_tokens > r.max_new_tokens:
         raise ConfigError(f"rollout.min_new_tokens={r.min_new_tokens} exceeds rollout.max_new_tokens="

@@ -25,6 +25,14 @@ from typing import Any, Iterable, Sequence
 import torch
 
 
+def pad_tokens(v: torch.Tensor, T: int) -> torch.Tensor:
+    """A per-token tensor [B, T0, ...] right-padded with zeros along its token dimension to
+    [B, T, ...] (trailing dimensions, e.g. the experts of each layer, are left alone)."""
+    if v.shape[1] >= T:
+        return v
+    return torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, T - v.shape[1]))
+
+
 @dataclass
 class Batch:
     """A dict of [B, ...] tensors plus per-sequence metadata and batch-level info."""
@@ -109,7 +117,7 @@ class Batch:
         tensors = {}
         for k, v in self.tensors.items():
             if v.dim() >= 2 and v.shape[1] == self.num_tokens:
-                v = torch.nn.functional.pad(v, (0, T - v.shape[1]))
+                v = pad_tokens(v, T)
             tensors[k] = torch.cat([v, v.new_zeros((extra, *v.shape[1:]))]) if extra else v
         meta = {k: list(v) + [None] * extra for k, v in self.meta.items()}
         return Batch(tensors, meta, dict(self.info))
@@ -128,8 +136,7 @@ class Batch:
             parts = [b.tensors[k] for b in batches]
             if parts[0].dim() >= 2:
                 T = max(p.shape[1] for p in parts)
-                parts = [torch.nn.functional.pad(p, (0, T - p.shape[1])) if p.shape[1] < T else p
-                         for p in parts]
+                parts = [pad_tokens(p, T) for p in parts]
             tensors[k] = torch.cat(parts)
         meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
         return Batch(tensors, meta, dict(batches[0].info))

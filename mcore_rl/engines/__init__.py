@@ -22,10 +22,12 @@ from mcore_rl.registry import Registry
 ENGINES: Registry = Registry("rollout engine")
 """Engine name -> factory ``(cfg: RolloutConfig, model_dir, *, dtype, seed, max_model_len,
 **kwargs) -> RolloutEngine``; each factory reads the fields of ``cfg`` that concern it and
-imports its engine only when called."""
+imports its engine only when called. Facts of an entry: ``cpu_expert_updates`` (default
+True: a CPU engine takes new expert weights), ``returns_routes`` (default False: it reports
+the experts it routed each token to, for ``moe.routing_replay: rollout``)."""
 
 
-@ENGINES.register("vllm")
+@ENGINES.register("vllm", cpu_expert_updates=False)
 def _vllm(cfg, model_dir, **kwargs) -> RolloutEngine:
     from mcore_rl.engines.vllm_engine import VLLMEngine
 
@@ -41,7 +43,7 @@ def _sglang(cfg, model_dir, **kwargs) -> RolloutEngine:
     return SGLangEngine(model_dir, **_common(cfg), **kwargs)
 
 
-@ENGINES.register("hf")
+@ENGINES.register("hf", returns_routes=True)
 def _hf(cfg, model_dir, **kwargs) -> RolloutEngine:
     from mcore_rl.engines.hf_engine import HFEngine
 

@@ -43,6 +43,9 @@ class SamplingConfig:
     """Tokens that end a response (kept as its last token, finish reason "stop")."""
     seed: int | None = None
     """Base seed: request i is sampled with seed + i (reproducible per prompt)."""
+    return_routes: bool = False
+    """Mixture-of-experts models: also report the experts each token was routed to
+    (`RolloutSample.routes`; for an engine whose registry entry says ``returns_routes``)."""
 
     def __post_init__(self) -> None:
         if self.top_p != 1.0 or self.top_k != -1:
@@ -67,6 +70,10 @@ class RolloutSample:
     finish_reason: str
     """"stop" (a stop token ended it) or "length" (max_new_tokens reached)."""
     weight_version: int | None
+    routes: torch.Tensor | None = None
+    """[P + R - 1, L, k] experts each position of prompt + response was routed to, per layer
+    (``SamplingConfig.return_routes``): every position the engine ran, which is all but the
+    last token (never fed back). None when not asked for."""
 
 
 @dataclass
@@ -99,7 +106,15 @@ class Rollouts:
         group = torch.tensor([s.prompt_index for s in self.samples], dtype=torch.long)
         for i, (s, p) in enumerate(zip(self.samples, prompt_lens)):
             logprobs[i, p:p + len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
-        return batch.with_tensors(rollout_logprobs=logprobs, group_id=group)
+        batch = batch.with_tensors(rollout_logprobs=logprobs, group_id=group)
+        if self.samples and self.samples[0].routes is not None:
+            # as `mcore_rl.train.routing_replay` keeps them: experts + 1, 0 where none ran
+            first = self.samples[0].routes
+            routes = torch.zeros((*batch["input_ids"].shape, *first.shape[1:]), dtype=torch.int16)
+            for i, s in enumerate(self.samples):
+                routes[i, :len(s.routes)] = s.routes.to(torch.int16) + 1
+            batch = batch.with_tensors(routes=routes)
+        return batch
 
 
 class RolloutEngine(ABC):

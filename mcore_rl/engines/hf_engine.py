@@ -5,10 +5,13 @@ tests and machines without vLLM. Log-probs follow mcore-rl's convention
 (``log_softmax(logits / T)`` of the raw logits, untruncated; greedy uses T = 1). Each request
 is sampled from its own seeded generator state, so a (prompt, seed) pair always gives the
 same samples. Weight updates read the same shared-memory buckets as the other engines and
-copy each HF-named tensor into the module's parameter.
+copy each HF-named tensor into the module's parameter (for mixture-of-experts layers, into
+its expert's slice of the layer's fused expert tensors: transformers keeps them fused in
+memory and names them per expert in checkpoints).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -18,6 +21,26 @@ from mcore_rl.engines.base import RolloutEngine, Rollouts, RolloutSample, Sampli
 from mcore_rl.wire import check_manifest, read_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_EXPERT = re.compile(r"^(?P<layer>.+)\.experts\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj|w1|w2|w3)"
+                     r"\.weight$")
+"""A per-expert checkpoint name: Qwen3-MoE's gate/up/down_proj, Mixtral's w1 (gate), w3 (up), w2 (down)."""
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def fused_target(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The tensor of ``model`` that the checkpoint tensor ``name`` is: the parameter itself,
+    or an expert's slice of its layer's fused ``experts.gate_up_proj`` [E, 2I, H] (gate then
+    up) or ``experts.down_proj`` [E, H, I]. Mixtral's ``block_sparse_moe`` is ``mlp`` in memory."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    match = _EXPERT.match(name)
+    if match is None:
+        return model.get_parameter(name)
+    experts = model.get_submodule(f"{match['layer']}.experts")
+    e, part = int(match["e"]), _PART[match["w"]]
+    if part == "down":
+        return experts.down_proj[e]
+    inter = experts.gate_up_proj.shape[1] // 2
+    return experts.gate_up_proj[e, :inter] if part == "gate" else experts.gate_up_proj[e, inter:]
 
 
 class HFEngine(RolloutEngine):
@@ -44,30 +67,43 @@ class HFEngine(RolloutEngine):
         rollouts = Rollouts()
         greedy = sampling.temperature == 0
         stop = set(sampling.stop_token_ids)
-        for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
-            torch.manual_seed(self.seed + i if seed is None else seed)
-            ids = torch.tensor([prompt])
-            out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
-                temperature=None if greedy else sampling.temperature,
-                top_p=None if greedy else sampling.top_p,
-                top_k=None if greedy or sampling.top_k < 1 else sampling.top_k,
-                max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens or None,
-                num_return_sequences=sampling.n,
-                eos_token_id=list(stop) or None, pad_token_id=0, output_logits=True,
-                return_dict_in_generate=True)
-            temperature = 1.0 if greedy else sampling.temperature
-            # logits [steps, n, V] of the raw model, before any sampling processor.
-            logits = torch.stack(out.logits).float()[..., :self.vocab_size] / temperature
-            logprobs = torch.log_softmax(logits, dim=-1)
-            for j in range(sampling.n):
-                tokens = out.sequences[j, len(prompt):].tolist()
-                end = next((t + 1 for t, tok in enumerate(tokens) if tok in stop), None)
-                tokens = tokens[:end] if end else tokens
-                lp = [logprobs[t, j, tok].item() for t, tok in enumerate(tokens)]
-                rollouts.samples.append(RolloutSample(
-                    i, j, prompt, tokens, lp, "stop" if end else "length", self.weight_version))
+        recorder = RouteRecorder(self.model) if sampling.return_routes else None
+        if recorder is not None and not recorder.routers:
+            raise UsageError("return_routes: this model has no mixture-of-experts router")
+        try:
+            for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
+                self._generate_one(rollouts, i, prompt, seed, sampling, greedy, stop, recorder)
+        finally:
+            if recorder is not None:
+                recorder.close()
         return rollouts
+
+    def _generate_one(self, rollouts: Rollouts, i: int, prompt: list[int], seed: int | None,
+                      sampling: SamplingConfig, greedy: bool, stop: set, recorder) -> None:
+        torch.manual_seed(self.seed + i if seed is None else seed)
+        ids = torch.tensor([prompt])
+        out = self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None if greedy or sampling.top_k < 1 else sampling.top_k,
+            max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens or None,
+            num_return_sequences=sampling.n,
+            eos_token_id=list(stop) or None, pad_token_id=0, output_logits=True,
+            return_dict_in_generate=True)
+        temperature = 1.0 if greedy else sampling.temperature
+        # logits [steps, n, V] of the raw model, before any sampling processor.
+        logits = torch.stack(out.logits).float()[..., :self.vocab_size] / temperature
+        logprobs = torch.log_softmax(logits, dim=-1)
+        routes = recorder.take(sampling.n) if recorder is not None else None
+        for j in range(sampling.n):
+            tokens = out.sequences[j, len(prompt):].tolist()
+            end = next((t + 1 for t, tok in enumerate(tokens) if tok in stop), None)
+            tokens = tokens[:end] if end else tokens
+            lp = [logprobs[t, j, tok].item() for t, tok in enumerate(tokens)]
+            rollouts.samples.append(RolloutSample(
+                i, j, prompt, tokens, lp, "stop" if end else "length", self.weight_version,
+                None if routes is None else routes[j, :len(prompt) + len(tokens) - 1].clone()))
 
     def begin_update(self, path: str, nbytes: int, version: int) -> None:
         self._check_weights_awake()
@@ -80,8 +116,37 @@ class HFEngine(RolloutEngine):
         start = time.perf_counter()
         check_manifest(self._buffer, manifest)
         for name, tensor in read_tensors(self._buffer, manifest):
-            self.model.get_parameter(name).copy_(tensor)
+            fused_target(self.model, name).copy_(tensor)
         return time.perf_counter() - start
 
     def _finish_session(self, complete: bool) -> None:
         self._buffer = None
+
+
+class RouteRecorder:
+    """The experts a transformers mixture-of-experts model routes each token to, caught at
+    its routers (``*TopKRouter`` modules: Qwen3-MoE, Mixtral; they return logits, weights
+    and the top-k indices) while ``generate`` runs: the prompt in one forward, then one
+    token per forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        self.calls: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            self.calls[layer].append(output[2].detach())  # [rows * positions, k]
+        return hook
+
+    def take(self, rows: int) -> torch.Tensor:
+        """[rows, positions, L, k] of the forwards since the last take (their tokens are
+        laid out row-major, as the model flattens [rows, positions])."""
+        layers = [torch.cat([c.reshape(rows, -1, c.shape[-1]) for c in calls], dim=1)
+                  for calls in self.calls]
+        self.calls = [[] for _ in self.routers]
+        return torch.stack(layers, dim=2)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()

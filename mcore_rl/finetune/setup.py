@@ -98,7 +98,7 @@ class FinetuneRun:
 
 def build_finetune_run(cfg: RLConfig, ctx: ParallelContext) -> FinetuneRun:
     from mcore_rl.models import build_model
-    from mcore_rl.rl.setup import prepare_model_dir
+    from mcore_rl.rl.setup import moe_options, prepare_model_dir
     from mcore_rl.train.build import build_engine
 
     job = build_job(cfg)
@@ -111,14 +111,15 @@ def build_finetune_run(cfg: RLConfig, ctx: ParallelContext) -> FinetuneRun:
             if r is not None:
                 print(f"mcore-rl: data {r.line()}", flush=True)
     m = cfg.model
+    moe = moe_options(cfg)
     built = build_model(model_dir, ctx, role=job.role, dtype=m.dtype, recompute=m.recompute_activations,
-                        seed=cfg.train.seed)
+                        seed=cfg.train.seed, moe=moe)
     vocab = built.spec.arch.vocab_size
     model = build_engine(built.chunks, ctx, kind=job.engine_kind, vocab_size=vocab,
                          optim=cfg.optimizer, total_steps=max(1, cfg.train.steps))
     reference = None
     if job.needs_reference:
-        ref = build_model(model_dir, ctx, role="reference", dtype=m.dtype)
+        ref = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe)
         reference = build_engine(ref.chunks, ctx, vocab_size=vocab)
     log = MetricsLog(cfg.logging.dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                      progress_bar=cfg.logging.progress_bar, enabled=ctx.is_controller)

@@ -45,6 +45,9 @@ class MoeOptions:
     `DISPATCHERS`."""
     aux_loss_coef: float = 0.0
     """Coefficient of Megatron's load-balancing loss (``aux_loss``); 0 turns it off."""
+    routing_replay: bool = False
+    """Give every router the means to record and replay its choices
+    (`mcore_rl.train.routing_replay`); routing is unchanged until a pass asks for either."""
 
 
 def moe_config_fields(arch: ModelArch, ep: int, expert_tp: int,
@@ -73,4 +76,5 @@ def moe_config_fields(arch: ModelArch, ep: int, expert_tp: int,
         moe_aux_loss_coeff=options.aux_loss_coef,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=expert_tp,
+        moe_enable_routing_replay=options.routing_replay,
     )

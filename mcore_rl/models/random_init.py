@@ -1,5 +1,5 @@
-"""A randomly initialised HF Llama directory from an inline architecture (the fields of the
-config's ``model`` section).
+"""A randomly initialised HF Llama (or, with experts, Qwen3-MoE) directory from an inline
+architecture (the fields of the config's ``model`` section).
 
 Used when ``model.path`` is empty (the built-in quick start): the run then starts from an HF
 directory like any other, so the rollout engine, conversion and export see a normal model.
@@ -22,23 +22,38 @@ class InlineArchitecture(Protocol):
     num_kv_heads: int
     max_position_embeddings: int
     tie_word_embeddings: bool
+    num_experts: int
+    experts_per_token: int
+    moe_intermediate_size: int
 
 
-def write_random_llama(model: InlineArchitecture, out_dir: str | Path, vocab_size: int,
+def write_random_model(model: InlineArchitecture, out_dir: str | Path, vocab_size: int,
                        bos_id: int, eos_id: int, pad_id: int, seed: int) -> Path:
-    """Save a random ``LlamaForCausalLM`` (fp32 safetensors + generation config)."""
+    """Save a random ``LlamaForCausalLM``, or a ``Qwen3MoeForCausalLM`` when
+    ``model.num_experts`` > 0 (fp32 safetensors + generation config)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
-    config = LlamaConfig(
+    common = dict(
         vocab_size=vocab_size, hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size, num_hidden_layers=model.num_layers,
+        num_hidden_layers=model.num_layers,
         num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_kv_heads,
         head_dim=model.hidden_size // model.num_attention_heads,
         max_position_embeddings=model.max_position_embeddings,
         tie_word_embeddings=model.tie_word_embeddings, rms_norm_eps=1e-5,
         bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, torch_dtype="float32")
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    if getattr(model, "num_experts", 0):
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(**common, num_experts=model.num_experts,
+                                num_experts_per_tok=model.experts_per_token,
+                                moe_intermediate_size=model.moe_intermediate_size,
+                                intermediate_size=model.intermediate_size, norm_topk_prob=True,
+                                decoder_sparse_step=1, mlp_only_layers=[])
+        Qwen3MoeForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    else:
+        config = LlamaConfig(**common, intermediate_size=model.intermediate_size)
+        LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out)
     return out

@@ -38,3 +38,23 @@ def check_registered_names(cfg: RLConfig) -> None:
             registry.entry(name)
         except UsageError as err:
             raise UsageError(f"{where}: {err}") from None
+
+
+def check_engine_capabilities(cfg: RLConfig, num_experts: int, on_gpu: bool) -> None:
+    """What the model and ``moe.routing_replay`` need of the rollout engine, against the
+    facts of its registry entry; a one-line `UsageError` naming the fix."""
+    if not num_experts:
+        return
+    engine = cfg.rollout.engine
+    try:
+        meta = ENGINES.entry(engine).meta
+    except UsageError:
+        return  # a name that is not registered is check_registered_names's to report
+    if not on_gpu and not meta.get("cpu_expert_updates", True):
+        raise UsageError(f"rollout.engine={engine}: its CPU backend cannot load new expert weights "
+                         "once started, so a mixture-of-experts model cannot be trained with it "
+                         "on this machine; set rollout.engine=hf")
+    if cfg.moe.routing_replay == "rollout" and not meta.get("returns_routes", False):
+        raise UsageError(f"moe.routing_replay=rollout: the {engine} engine does not report the "
+                         "experts it routed each token to (vLLM's capture lives in its V2 model "
+                         "runner, which needs Triton on a GPU); use moe.routing_replay=old_logprob")

@@ -56,6 +56,8 @@ def sample_batch(engine, tokenizer, cfg, encoded, *, step: int, greedy: bool = F
                                   stop_token_ids=sampling.stop_token_ids)
     elif n is not None:
         sampling = replace(sampling, n=n)
+    if not greedy and cfg.moe.routing_replay == "rollout":
+        sampling = replace(sampling, return_routes=True)  # the update replays the engine's experts
     seeds = [request_seed(cfg.train.seed, step, i) for i in range(len(prompt_ids))]
     rollouts = engine.generate(prompt_ids, sampling, seeds=seeds)
     batch = rollouts.to_batch(pad_id=tokenizer.pad_id)
@@ -120,12 +122,17 @@ def on_policy(cfg) -> bool:
 
 
 def old_logprobs(state, batch: Batch) -> Batch:
-    """The trainer's log-probs under the weights that generated the batch."""
+    """The trainer's log-probs under the weights that generated the batch. With
+    ``moe.routing_replay: old_logprob`` also the experts each token was routed to
+    (``routes``), which every update of the step then replays; with ``rollout`` the batch
+    already carries the engine's routes, and this pass and the updates replay those."""
     temperature = state.cfg.rollout.temperature or 1.0
     if on_policy(state.cfg):
         return batch  # filled in by the first (and only) update from its own forward
-    lp = state.actor.forward(batch, temperature=temperature)["logprobs"]
-    return batch.with_tensors(old_logprobs=lp)
+    record = state.cfg.moe.routing_replay == "old_logprob"
+    out = state.actor.forward(batch, temperature=temperature, record_routes=record)
+    batch = batch.with_tensors(old_logprobs=out["logprobs"])
+    return batch.with_tensors(routes=out["routes"]) if "routes" in out else batch
 
 
 def reference_logprobs(state, batch: Batch) -> Batch:

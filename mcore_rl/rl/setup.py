@@ -94,13 +94,13 @@ def write_initial_model(cfg: RLConfig) -> Path:
     """The random tiny Llama (and the built-in task's tokenizer) of a run without
     ``model.path``, written once (temporary directory, then rename)."""
     from mcore_rl.data.toy_task import toy_tokenizer
-    from mcore_rl.models.random_init import write_random_llama
+    from mcore_rl.models.random_init import write_random_model
 
     out = initial_model_path(cfg)
     if not (out / "config.json").exists():
         tok = toy_tokenizer()
         tmp = out.with_name(out.name + ".tmp")
-        write_random_llama(cfg.model, tmp, tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id,
+        write_random_model(cfg.model, tmp, tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id,
                            seed=cfg.train.seed)
         tok.save(tmp)
         tmp.rename(out)
@@ -130,13 +130,27 @@ def initial_model_removed_on_failure(cfg: RLConfig, ctx: ParallelContext):
 def check_job(cfg: RLConfig) -> None:
     """What can be checked before any rank starts: registered names, the reward function,
     the prompt data (fields present). Raises a one-line `UsageError`."""
-    from mcore_rl.rl.job_check import check_registered_names
+    import torch
+
+    from mcore_rl.config.validate import model_shape
+    from mcore_rl.rl.job_check import check_engine_capabilities, check_registered_names
 
     check_registered_names(cfg)
+    check_engine_capabilities(cfg, model_shape(cfg).num_experts, torch.cuda.is_available())
     load_prompt_records(cfg.data, "train")
     load_prompt_records(cfg.data, "val")
     RunCheckpoints.for_config(cfg).resolve_resume(cfg.checkpoint.resume, trained_parts(cfg),
                                                   cfg.logging.dir)
+
+
+def moe_options(cfg: RLConfig, policy: bool = False):
+    """How the config's mixture-of-experts layers run (ignored by dense models). Only the
+    ``policy`` replays routes (``moe.routing_replay``): the reference and the critic route
+    by themselves."""
+    from mcore_rl.models.moe import MoeOptions
+
+    return MoeOptions(dispatcher=cfg.moe.dispatcher, aux_loss_coef=cfg.moe.aux_loss_coef,
+                      routing_replay=policy and cfg.moe.routing_replay != "off")
 
 
 def trained_parts(cfg: RLConfig) -> list[str]:
@@ -164,18 +178,19 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None) 
     model_dir = prepare_model_dir(cfg, ctx)
     tokenizer = load_tokenizer(model_dir)
     m = cfg.model
+    moe = moe_options(cfg)
     actor_model = build_model(model_dir, ctx, role="actor", dtype=m.dtype, recompute=m.recompute_activations,
-                              seed=cfg.train.seed)
+                              seed=cfg.train.seed, moe=moe_options(cfg, policy=True))
     vocab = actor_model.spec.arch.vocab_size
     actor = build_engine(actor_model.chunks, ctx, vocab_size=vocab, optim=cfg.optimizer,
                          total_steps=cfg.train.steps * algo.ppo_epochs * algo.mini_batches)
     reference = critic = None
     if algo.kl_coef > 0:
-        ref_model = build_model(model_dir, ctx, role="reference", dtype=m.dtype)
+        ref_model = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe)
         reference = build_engine(ref_model.chunks, ctx, vocab_size=vocab)
     if needs_critic(algo.advantage_estimator):
         critic_model = build_model(m.critic_path or model_dir, ctx, role="critic", dtype=m.dtype,
-                                   seed=cfg.train.seed)
+                                   seed=cfg.train.seed, moe=moe)
         critic = build_engine(critic_model.chunks, ctx, kind="value",
                               optim=replace(cfg.optimizer, lr=cfg.optimizer.critic_lr),
                               total_steps=cfg.train.steps * algo.ppo_epochs * algo.mini_batches)

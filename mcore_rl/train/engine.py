@@ -25,6 +25,8 @@ import torch.distributed as dist
 from mcore_rl.data.batch import Batch
 from mcore_rl.parallel import ParallelContext, megatron_cpu_compat
 from mcore_rl.train.micro_batches import pack_micro_batches, split_for_data_parallel, units_of
+from mcore_rl.train.moe_metrics import aux_loss_metrics, clear_aux_losses
+from mcore_rl.train.routing_replay import ROUTES
 
 # loss_fn(outputs, micro_batch) -> (summed loss, unit count, {metric name: summed value})
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Tensor | int, dict]]
@@ -93,6 +95,13 @@ class TrainEngine:
 
             self.output_weight = defer_output_layer(chunks)
         self.steps_done = 0
+        self.routing = None
+        """Routing replay of an MoE model built for it (`mcore_rl.train.routing_replay`)."""
+        if getattr(chunks[0].config, "moe_enable_routing_replay", False):
+            from mcore_rl.train.routing_replay import RoutingReplay
+
+            self.routing = RoutingReplay(chunks)
+        self._micro: list[Batch] = []
 
     # ----- what the model computes per micro-batch ------------------------------------
     def _head_outputs(self, output: torch.Tensor, mb: Batch, temperature: float,
@@ -142,8 +151,12 @@ class TrainEngine:
         return plan
 
     @property
+    def _is_moe(self) -> bool:
+        return bool(getattr(self.model[0].config, "num_moe_experts", None))
+
+    @property
     def _experts_across_ranks(self) -> bool:
-        return bool(getattr(self.model[0].config, "num_moe_experts", None)) and self.ctx.ep > 1
+        return self._is_moe and self.ctx.ep > 1
 
     def _max_over_dp(self, *values: int) -> int | tuple[int, ...]:
         t = torch.tensor(values, dtype=torch.long)
@@ -155,7 +168,7 @@ class TrainEngine:
                       collect: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro = [batch.select(idx).trimmed() for idx in plan]
+        micro = self._micro = [batch.select(idx).trimmed() for idx in plan]
         if self.ctx.vpp and megatron_cpu_compat.is_applied():
             # Over gloo the interleaved schedule cannot exchange per-micro-batch shapes (the
             # shape messages of both directions to the same peer get crossed): give every
@@ -185,6 +198,23 @@ class TrainEngine:
             micro_batch_size=max(len(m) for m in micro), forward_only=forward_only,
             collect_non_loss_data=collect)
 
+    def _run_model(self, model, mb: Batch):
+        """The chunk's forward over a micro-batch. A mixture-of-experts model is told which
+        tokens are padding, so its load-balancing loss counts only real tokens (Megatron
+        routes padding all the same); a micro-batch of nothing but padding (one that evens
+        out the ranks' micro-batch counts under expert parallelism) adds no such loss."""
+        if not self._is_moe:
+            return model(*self._model_inputs(mb), attention_mask=None)
+        padding = mb["attention_mask"] == 0
+        if not bool(padding.all()):
+            return model(*self._model_inputs(mb), attention_mask=None, padding_mask=padding)
+        config = self.model[0].config
+        coeff, config.moe_aux_loss_coeff = config.moe_aux_loss_coeff, 0.0
+        try:
+            return model(*self._model_inputs(mb), attention_mask=None)
+        finally:
+            config.moe_aux_loss_coeff = coeff
+
     @staticmethod
     def _model_inputs(mb: Batch):
         ids = mb["input_ids"]
@@ -195,16 +225,30 @@ class TrainEngine:
     # ----- public API ----------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: Batch, fn: ForwardFn | None = None, *, temperature: float = 1.0,
-                with_entropy: bool = False) -> dict[str, torch.Tensor]:
+                with_entropy: bool = False, record_routes: bool = False) -> dict[str, torch.Tensor]:
         """Forward-only over the batch. Returns ``fn(outputs, micro_batch)`` (default: the
         outputs: ``logprobs``/``entropy`` or ``values``) for every sequence, in batch order,
-        as [B] or [B, T] tensors, on every rank."""
+        as [B] or [B, T] tensors, on every rank. ``record_routes`` (an MoE model built for
+        routing replay): also the experts every token was routed to, as ``routes`` [B, T, L,
+        k] over the model's L layers (`mcore_rl.train.routing_replay`), which a later
+        `train_batch` of a batch carrying them replays. A batch that carries ``routes``
+        (and is not being recorded) is routed by them here too."""
         fn = fn or (lambda outputs, mb: outputs)
         plan = self._plan(batch)
+        recording = record_routes and self.routing is not None and self.routing.active
+        replaying = not recording and self.routing is not None and self.routing.active \
+            and ROUTES in batch
+        recorded: list[tuple[int, int, dict]] = []
 
         def step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(*self._model_inputs(mb), attention_mask=None)
+            if replaying:
+                self.routing.replay(self._chunk_index(model), mb[ROUTES])
+            output = self._run_model(model, mb)
+            if recording:
+                chunk = self._chunk_index(model)
+                recorded.append((self._micro_index(mb), chunk,
+                                 self.routing.recorded(chunk, mb["attention_mask"])))
 
             def collect(output_tensor, non_loss_data=True):
                 return {k: v.detach().float().cpu() for k, v in
@@ -214,23 +258,57 @@ class TrainEngine:
 
         for m in self.model:
             m.eval()
-        results = self._run_schedule(batch, plan, step, forward_only=True, collect=True)
+        if recording:
+            self.routing.start_recording()
+        try:
+            results = self._run_schedule(batch, plan, step, forward_only=True, collect=True)
+        finally:
+            if recording or replaying:
+                self.routing.stop()
         results = self._from_last_stage(results)
-        return self._assemble(batch, plan, results)
+        out = self._assemble(batch, plan, results)
+        if recording:
+            out[ROUTES] = self._assemble_routes(batch, plan, recorded)
+        return out
+
+    def _chunk_index(self, model) -> int:
+        return next(i for i, m in enumerate(self.model) if m is model)
+
+    def _micro_index(self, mb: Batch) -> int:
+        return next(i for i, m in enumerate(self._micro) if m is mb)
+
+    def _assemble_routes(self, batch: Batch, plan: list[list[int]],
+                         recorded: list[tuple[int, int, dict]]) -> torch.Tensor:
+        """This rank's recorded routes in batch order, the other DP ranks' rows included."""
+        routes = self.routing.empty(len(batch), batch.num_tokens).to(torch.int32)
+        for micro, _, layers in recorded:
+            rows = torch.as_tensor(plan[micro], dtype=torch.long)
+            for layer, part in layers.items():
+                part = part[:len(rows)]  # rows that only evened out micro-batch shapes go
+                routes[rows, :part.shape[1], layer] = part.to(torch.int32)
+        if self.ctx.dp > 1:  # each row was recorded on one DP rank; 0 elsewhere
+            dist.all_reduce(routes, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)
+        return routes.to(torch.int16)
 
     def train_batch(self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0,
                     with_entropy: bool = False, lr: float | None = None) -> StepResult:
         """One optimizer step over the whole batch (all micro-batches, all DP ranks).
 
         ``lr`` overrides the learning rate for this step only; the schedule does not advance.
+        A batch carrying ``routes`` (recorded by `forward`) has its tokens routed to those
+        experts (routing replay); a mixture-of-experts model reports Megatron's auxiliary
+        losses (``moe/load_balancing_loss``, mean over its layers and micro-batches).
         """
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (forward only)")
         plan = self._plan(batch)
+        replaying = self.routing is not None and self.routing.active and ROUTES in batch
 
         def step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(*self._model_inputs(mb), attention_mask=None)
+            if replaying:
+                self.routing.replay(self._chunk_index(model), mb[ROUTES])
+            output = self._run_model(model, mb)
 
             def loss(output_tensor):
                 total, units, metrics = loss_fn(
@@ -242,11 +320,18 @@ class TrainEngine:
 
             return output, loss
 
+        moe_layers = self.model[0].config.num_layers if self._is_moe else 0
+        if moe_layers:
+            clear_aux_losses()
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self._run_schedule(batch, plan, step, forward_only=False, collect=False)
+        try:
+            reports = self._run_schedule(batch, plan, step, forward_only=False, collect=False)
+        finally:
+            if replaying:
+                self.routing.stop()
         applied = self._grads_finite()
         grad_norm = float("nan")
         if applied:  # a non-finite gradient never reaches the weights
@@ -265,9 +350,11 @@ class TrainEngine:
         units = sums.pop("units")
         loss = sums.pop("loss")
         denom = max(units, 1.0)
+        metrics = {k: v / denom for k, v in sums.items()}
+        if moe_layers:
+            metrics |= aux_loss_metrics(sum(1 for rows in plan if rows), moe_layers)
         return StepResult(loss=loss / denom, grad_norm=grad_norm,
-                          lr=self.optimizer.param_groups[0]["lr"],
-                          metrics={k: v / denom for k, v in sums.items()}, units=units,
+                          lr=self.optimizer.param_groups[0]["lr"], metrics=metrics, units=units,
                           applied=applied)
 
     def _grads_finite(self) -> bool:

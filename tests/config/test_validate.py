@@ -98,8 +98,6 @@ def _write_moe_config(path, **changes):
     (["parallel.ep=2", "parallel.pp=2"], 2, r"ep\*etp = 2\*1 does not divide the 1 ranks"),
     (["parallel.etp=3"], None, r"parallel.etp=3 does not divide the model's expert FFN size 64"),
     (["parallel.tp=2"], None, r"parallel.tp=2 with a mixture-of-experts model: .* parallel.ep"),
-    (["parallel.ep=2"], 2, r"is a mixture-of-experts model, which mcore-rl converts and runs "
-                           r"but cannot train yet"),
 ])
 def test_expert_parallel_layouts_are_checked_against_the_experts_and_the_world(
         tmp_path, overrides, world_size, message):
@@ -107,6 +105,12 @@ def test_expert_parallel_layouts_are_checked_against_the_experts_and_the_world(
     with pytest.raises(ConfigError, match=message) as err:
         check([f"model.path={tmp_path}", *overrides], world_size=world_size)
     assert "\n" not in str(err.value)
+
+
+def test_an_expert_parallel_layout_that_fits_is_accepted(tmp_path):
+    _write_moe_config(tmp_path)
+    check([f"model.path={tmp_path}", "parallel.ep=2"], world_size=2)
+    check(["model.num_experts=4", "parallel.ep=2"], world_size=4)  # inline, EP2 x DP2
 
 
 def test_expert_parallelism_on_a_dense_model_is_rejected():

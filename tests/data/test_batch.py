@@ -39,6 +39,17 @@ def test_cat_pads_to_the_longest_sequence():
     assert c["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
 
 
+def test_per_token_fields_with_trailing_dimensions_pad_along_the_tokens():
+    a = Batch.from_sequences([[1, 2, 3]])
+    a = a.with_tensors(routes=torch.arange(1, 13).reshape(1, 3, 2, 2))  # [B, T, layers, k]
+    b = Batch.from_sequences([[4]]).with_tensors(routes=torch.full((1, 1, 2, 2), 7))
+    c = Batch.cat([b, a])
+    assert c["routes"].shape == (2, 3, 2, 2)
+    assert c["routes"][0, 1:].eq(0).all() and c["routes"][1].equal(a["routes"][0])
+    padded = b.padded_to(2, 3)["routes"]
+    assert padded.shape == (2, 3, 2, 2) and padded[0, 0].eq(7).all() and padded.sum() == 7 * 4
+
+
 def test_fields_with_different_sequence_counts_are_rejected():
     with pytest.raises(ValueError, match="disagree on the number of sequences"):
         Batch({"input_ids": torch.zeros(2, 3), "x": torch.zeros(3)})

@@ -71,3 +71,20 @@ def test_min_new_tokens_masks_the_stop_token_until_that_length(engine):
     assert len(held.token_ids) == 8 and held.finish_reason == "length"
     first = greedy.token_ids.index(stop)
     assert stop not in held.token_ids and held.token_ids[:first] == greedy.token_ids[:first]
+
+
+@pytest.mark.parametrize("variant", ["qwen3moe", "mixtral"])
+def test_per_expert_checkpoint_tensors_load_into_the_fused_expert_weights(tmp_path, variant):
+    from tests.models.tiny_moe import save_tiny_moe_model
+
+    start = save_tiny_moe_model(variant, tmp_path / "start", seed=0)
+    new = save_tiny_moe_model(variant, tmp_path / "new", seed=1)
+    engine = HFEngine(start)
+    tensors = load_file(f"{new}/model.safetensors")
+    assert any(".experts.7." in name for name in tensors), "checkpoints name experts one by one"
+    engine.update_weights(tensors.items(), version=1, bucket_mb=0.05)
+    expected = load_hf(new).state_dict()
+    got = engine.model.state_dict()
+    assert set(got) == set(expected)
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    assert engine.weight_version == 1

@@ -23,10 +23,10 @@ ITEMS = 10
 
 def tiny_model(cfg, out: Path) -> Path:
     from mcore_rl.data.toy_task import toy_tokenizer
-    from mcore_rl.models.random_init import write_random_llama
+    from mcore_rl.models.random_init import write_random_model
 
     tok = toy_tokenizer()
-    write_random_llama(cfg.model, out, tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id,
+    write_random_model(cfg.model, out, tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id,
                        seed=cfg.train.seed)
     tok.save(out)
     return out

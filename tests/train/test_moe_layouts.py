@@ -37,31 +37,45 @@ def uneven_batch():
 BATCHES = {"even": fixed_batch, "uneven": uneven_batch}
 
 
-def _engine(ctx, dispatcher):
+AUX_LOSS = 0.05
+
+
+def _engine(ctx, dispatcher, aux: float = 0.0, tokens: int = 48):
     from mcore_rl.config import OptimizerConfig
     from mcore_rl.models.gpt import build_gpt_chunks
     from mcore_rl.models.moe import MoeOptions
     from mcore_rl.train.build import build_engine
 
-    optim = OptimizerConfig(name="sgd", lr=0.5, clip_grad=0.0, micro_batch_tokens=48)
-    chunks = build_gpt_chunks(ARCH, ctx, moe=MoeOptions(dispatcher=dispatcher))
+    optim = OptimizerConfig(name="sgd", lr=0.5, clip_grad=0.0, micro_batch_tokens=tokens)
+    chunks = build_gpt_chunks(ARCH, ctx, moe=MoeOptions(dispatcher=dispatcher, aux_loss_coef=aux,
+                                                        routing_replay=True))
     return build_engine(chunks, ctx, vocab_size=VOCAB, optim=optim)
 
 
-def _train_once(rank, world_size, ep, dispatcher, batch, init_dir, out_dir):
+def _train_once(rank, world_size, ep, dispatcher, batch, init_dir, out_dir, aux=0.0, routes=None):
+    """One SGD step; ``routes`` (recorded on one rank) replayed when given. With ``routes
+    == "record"``: record the batch's routes first (one rank) and return them too."""
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
     from mcore_rl.train.checkpoint import load_engine, save_engine
+    from mcore_rl.train.routing_replay import ROUTES
 
     ctx = initialize_parallel(ep=ep, seed=11)
-    engine = _engine(ctx, dispatcher)
+    # With the aux loss on, one sequence per micro-batch (34 tokens): every layout runs the
+    # same micro-batches, as the load-balancing loss is a statistic of its micro-batch.
+    engine = _engine(ctx, dispatcher, aux, tokens=34 if aux else 48)
     if os.path.exists(init_dir):
         load_engine(engine, init_dir, load_optimizer=False)
     else:
         save_engine(engine, init_dir)
-    result = engine.train_batch(BATCHES[batch](), token_mean_loss)
+    data = BATCHES[batch]()
+    if isinstance(routes, str):
+        routes = engine.forward(data, record_routes=True)[ROUTES]
+    if routes is not None:
+        data = data.with_tensors(routes=routes)
+    result = engine.train_batch(data, token_mean_loss)
     save_engine(engine, out_dir)
     destroy_parallel()
-    return result.loss, result.units
+    return result.loss, result.units, result.metrics, routes
 
 
 def _model_tensors(rank, world_size, path):
@@ -87,8 +101,8 @@ def test_one_train_batch_of_a_moe_model_updates_parameters_identically_at_ep2(tm
     assert counts == ([4, 3] if batch == "uneven" else [2, 2])
     oracle, world = shared_world(1), shared_world(2)
     init = str(tmp_path / "init")
-    (ref_loss, ref_units), = oracle.run(_train_once, 1, "alltoall", batch, init,
-                                        str(tmp_path / "oracle"))
+    (ref_loss, ref_units, _, _), = oracle.run(_train_once, 1, "alltoall", batch, init,
+                                              str(tmp_path / "oracle"))
     before = oracle.run(_model_tensors, init)[0]
     expected = oracle.run(_model_tensors, str(tmp_path / "oracle"))[0]
     assert any(".experts." in k for k in expected)
@@ -96,8 +110,28 @@ def test_one_train_batch_of_a_moe_model_updates_parameters_identically_at_ep2(tm
     assert moved > 1e-3, "the step must change the parameters visibly"
     for name, (ep, dispatcher) in LAYOUTS.items():
         out = str(tmp_path / name)
-        for step_loss, units in world.run(_train_once, ep, dispatcher, batch, init, out):
+        for step_loss, units, _, _ in world.run(_train_once, ep, dispatcher, batch, init, out):
             assert units == ref_units
+            assert step_loss == pytest.approx(ref_loss, rel=1e-5)
+        got = oracle.run(_model_tensors, out)[0]
+        diff, where = max_relative_difference(got, expected)
+        assert diff <= 1e-5, f"{name}: parameters differ from EP1 by {diff:.2e} (worst: {where})"
+
+
+def test_with_the_aux_loss_on_and_routes_replayed_ep2_updates_parameters_as_one_rank(tmp_path):
+    """Megatron's load-balancing loss in the gradient (the same micro-batches in every
+    layout: one sequence each, four per EP rank), and every rank routing each token as the
+    one-rank run did (so round-off cannot flip a near tie between the layouts)."""
+    oracle, world = shared_world(1), shared_world(2)
+    init = str(tmp_path / "init")
+    (ref_loss, _, ref_metrics, routes), = oracle.run(
+        _train_once, 1, "alltoall", "uneven", init, str(tmp_path / "oracle"), AUX_LOSS, "record")
+    assert ref_metrics["moe/load_balancing_loss"] > 0
+    expected = oracle.run(_model_tensors, str(tmp_path / "oracle"))[0]
+    for name, (ep, dispatcher) in LAYOUTS.items():
+        out = str(tmp_path / name)
+        for step_loss, _, metrics, _ in world.run(_train_once, ep, dispatcher, "uneven", init, out,
+                                                  AUX_LOSS, routes):
             assert step_loss == pytest.approx(ref_loss, rel=1e-5)
         got = oracle.run(_model_tensors, out)[0]
         diff, where = max_relative_difference(got, expected)
