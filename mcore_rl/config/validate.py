@@ -143,11 +143,6 @@ def _validate_experts(cfg: RLConfig, shape: ModelShape) -> None:
         raise ConfigError(f"parallel.etp={etp} does not divide the model's expert FFN size "
                           f"{shape.moe_intermediate_size}; choose one of "
                           f"{_divisors(shape.moe_intermediate_size)}")
-    if p.tp > 1:
-        raise ConfigError(f"parallel.tp={p.tp} with a mixture-of-experts model: Megatron trains "
-                          "expert layers under tensor parallelism only with sequence "
-                          "parallelism, which mcore-rl does not run yet; split the experts with "
-                          "parallel.ep instead (parallel.tp=1)")
 
 
 def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:

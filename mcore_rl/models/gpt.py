@@ -65,13 +65,24 @@ def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str =
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        # Megatron trains expert layers under tensor parallelism only with the sequence
+        # split over the TP ranks between the tensor-parallel blocks.
+        sequence_parallel=uses_sequence_parallel(arch, ctx.tp),
         **moe_config_fields(arch, ctx.ep, ctx.expert_tp, moe),
         **megatron_cpu_compat.transformer_config_overrides(),
     )
 
 
-def layer_spec(arch: ModelArch, transformer_engine: bool | None = None):
-    """The TE spec when Transformer Engine and CUDA are present, else the local spec."""
+def uses_sequence_parallel(arch: ModelArch, tp: int) -> bool:
+    """Whether the model runs sequence-parallel: a mixture-of-experts model under tensor
+    parallelism (dense models keep the full sequence on every TP rank)."""
+    return arch.is_moe and tp > 1
+
+
+def layer_spec(arch: ModelArch, transformer_engine: bool | None = None,
+               sequence_parallel: bool = False):
+    """The TE spec when Transformer Engine and CUDA are present, else the local spec (with
+    norms that run sequence-parallel, `mcore_rl.models.norms`, where it is on)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if transformer_engine is None:
@@ -82,9 +93,35 @@ def layer_spec(arch: ModelArch, transformer_engine: bool | None = None):
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=arch.num_experts or None, moe_grouped_gemm=False,
             qk_layernorm=arch.qk_norm)
-    return specs.get_gpt_layer_local_spec(num_experts=arch.num_experts or None,
+    spec = specs.get_gpt_layer_local_spec(num_experts=arch.num_experts or None,
                                           moe_grouped_gemm=False, normalization="RMSNorm",
                                           qk_layernorm=arch.qk_norm)
+    if sequence_parallel:
+        from mcore_rl.models.norms import LocalRMSNorm, SequenceParallelRMSNorm
+
+        spec.submodules.input_layernorm = SequenceParallelRMSNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        if arch.qk_norm:
+            attention = spec.submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = LocalRMSNorm
+    return spec
+
+
+def block_spec(spec, config, ctx: ParallelContext, vp_stage: int | None):
+    """The decoder of one chunk: the layer spec as it is, or under sequence parallelism with
+    the sequence-parallel final norm too (local spec)."""
+    if not config.sequence_parallel or not hasattr(spec, "submodules") or \
+            not hasattr(spec.submodules, "input_layernorm"):
+        return spec
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    from mcore_rl.models.norms import SequenceParallelRMSNorm
+
+    if spec.submodules.input_layernorm is not SequenceParallelRMSNorm:
+        return spec  # Transformer Engine's norms run sequence-parallel themselves
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=ctx.pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
@@ -106,7 +143,7 @@ def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
     if head not in ("lm", "score"):
         raise ValueError(f"head must be 'lm' or 'score', not {head!r}")
     config = build_transformer_config(arch, ctx, dtype, recompute, init_weights, moe)
-    spec = layer_spec(arch, transformer_engine)
+    spec = layer_spec(arch, transformer_engine, config.sequence_parallel)
     n_chunks = ctx.vpp or 1
     chunks = []
     for vp_stage in range(n_chunks):
@@ -116,12 +153,13 @@ def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
             vocab_size=arch.padded_vocab_size, max_sequence_length=arch.max_position_embeddings,
             pre_process=first, post_process=last, position_embedding_type="rope",
             rotary_base=arch.rope_theta, vp_stage=vp_stage if ctx.vpp else None)
+        decoder = block_spec(spec, config, ctx, vp_stage if ctx.vpp else None)
         if head == "lm":
-            model = GPTModel(config, spec,
+            model = GPTModel(config, decoder,
                              share_embeddings_and_output_weights=arch.tie_word_embeddings,
                              **kwargs)
         else:
-            model = GPTValueModel(config, spec, head_seed=seed, **kwargs)
+            model = GPTValueModel(config, decoder, head_seed=seed, **kwargs)
         # Megatron creates norm weights in fp32 whatever params_dtype says; cast every
         # parameter (as Megatron's Float16Module does) so a bf16 model is bf16 throughout,
         # as HF's is, and round-trips bit for bit.

@@ -10,7 +10,8 @@ pipeline plumbing. The head is stored under Megatron's ``output_layer.weight`` k
 stores ``score.weight`` where ``lm_head.weight`` was.
 
 The head is replicated on every TP rank: the final hidden states are identical on all TP
-ranks (no sequence parallelism), so each rank computes the same values and gradients.
+ranks (gathered first under sequence parallelism), so each rank computes the same values
+and gradients.
 """
 from __future__ import annotations
 
@@ -22,14 +23,23 @@ from megatron.core.models.gpt import GPTModel
 class ScalarHead(torch.nn.Module):
     """hidden -> 1 projection without bias, called the way GPTModel calls its output layer."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, std: float, seed: int):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, std: float, seed: int,
+                 sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         # A private generator: every rank (TP, PP, DP) draws the same fresh head.
         generator = torch.Generator().manual_seed(seed)
         weight = torch.randn(1, hidden_size, generator=generator) * std
         self.weight = torch.nn.Parameter(weight.to(dtype))
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            # [s/tp, b, H] -> [s, b, H]: every TP rank computes the same values, so each
+            # keeps its own slice of the gradient (no sum).
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
         return F.linear(hidden_states, self.weight), None
 
 
@@ -45,7 +55,8 @@ class GPTValueModel(GPTModel):
         if self.post_process:
             # Replaces the vocabulary projection GPTModel built (freed right away).
             self.output_layer = ScalarHead(config.hidden_size, config.params_dtype,
-                                           config.init_method_std, head_seed)
+                                           config.init_method_std, head_seed,
+                                           config.sequence_parallel)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, labels=None, **kwargs):
         if labels is not None:

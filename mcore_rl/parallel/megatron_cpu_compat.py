@@ -28,6 +28,9 @@ What it does:
   sequence-parallel all-gather and reduce-scatter, the MoE all-to-all) would allocate on
   ``torch.cuda.current_device()``. ``BackwardCFunction.apply`` enters the mode for functions
   defined in ``megatron.*`` only.
+- Uneven ``all_gather`` (Megatron's ``_gather_along_first_dim`` with ``output_split_sizes``,
+  the all-to-all dispatcher under sequence and expert-tensor parallelism): gloo needs equal
+  sizes, so the mode pads every rank's input to the longest and trims the outputs.
 - Mixture of experts: ``moe_utils`` refers to Transformer Engine's ``te_general_gemm`` (and
   fused permute/router kernels) even when TE is absent; they are set to None, the value the
   code tests for. The all-to-all token dispatcher makes a CUDA side stream for its
@@ -80,6 +83,7 @@ PATCHED_TARGETS: dict[tuple[str, str], str] = {
     ("megatron.core.transformer.moe.token_dispatcher",
      "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"): "306811df7107",
     ("torch.autograd.function", "BackwardCFunction.apply"): "591cc9871c0a",
+    ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"): "44633fe36d60",
 }
 
 _applied = False
@@ -128,6 +132,9 @@ class MegatronCudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _ALL_GATHER and len({tuple(t.shape) for t in args[0]}) > 1 \
+                and _called_through_torch_from_megatron():
+            return _all_gather_uneven(*args, **kwargs)
         if func is torch.Tensor.cuda and _called_from_megatron(1):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and _called_from_megatron(1):
@@ -141,6 +148,37 @@ class MegatronCudaToCpuMode(TorchFunctionMode):
                 and _called_from_megatron(1):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+_ALL_GATHER = torch.distributed.all_gather
+
+
+def _called_through_torch_from_megatron() -> bool:
+    """Whether the first caller above torch's own frames (a ``torch.distributed`` function
+    reaches the mode through several) belongs to megatron.*."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith("torch.") or name == __name__):
+            return name.startswith("megatron.")
+        frame = frame.f_back
+    return False
+
+
+def _all_gather_uneven(tensor_list: list, tensor: torch.Tensor, group=None, async_op=False):
+    """``all_gather`` into outputs of different lengths (the first dimension), which gloo
+    refuses: every rank sends its input padded to the longest, and each output keeps its
+    own length. Megatron gathers so (``output_split_sizes``) under sequence parallelism in
+    the all-to-all token dispatcher with expert tensor parallelism."""
+    if async_op:
+        raise NotImplementedError("an uneven all_gather over gloo runs synchronously only")
+    longest = max(t.shape[0] for t in tensor_list)
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[:tensor.shape[0]] = tensor
+    gathered = [torch.empty_like(padded) for _ in tensor_list]
+    torch.distributed.all_gather(gathered, padded.contiguous(), group=group)
+    for out, part in zip(tensor_list, gathered):
+        out.copy_(part[:out.shape[0]])
 
 
 def _scoped(original: Callable, cpu_version: Callable) -> Callable:

@@ -57,4 +57,5 @@ def check_engine_capabilities(cfg: RLConfig, num_experts: int, on_gpu: bool) -> 
     if cfg.moe.routing_replay == "rollout" and not meta.get("returns_routes", False):
         raise UsageError(f"moe.routing_replay=rollout: the {engine} engine does not report the "
                          "experts it routed each token to (vLLM's capture lives in its V2 model "
-                         "runner, which needs Triton on a GPU); use moe.routing_replay=old_logprob")
+                         "runner, which needs Triton on a GPU); use rollout.engine=hf or "
+                         "moe.routing_replay=old_logprob")

@@ -168,7 +168,7 @@ class TrainEngine:
                       collect: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro = self._micro = [batch.select(idx).trimmed() for idx in plan]
+        micro = [batch.select(idx).trimmed() for idx in plan]
         if self.ctx.vpp and megatron_cpu_compat.is_applied():
             # Over gloo the interleaved schedule cannot exchange per-micro-batch shapes (the
             # shape messages of both directions to the same peer get crossed): give every
@@ -184,6 +184,11 @@ class TrainEngine:
             uniform = True
         else:
             uniform = False
+        if self.model[0].config.sequence_parallel:
+            # The sequence is split over the TP ranks: a multiple of tp tokens per sequence.
+            tp = self.ctx.tp
+            micro = [m.padded_to(len(m), -(-m.num_tokens // tp) * tp) for m in micro]
+        self._micro = micro
 
         def iterator() -> Iterator[Batch]:
             return iter(micro)
@@ -284,10 +289,12 @@ class TrainEngine:
         for micro, _, layers in recorded:
             rows = torch.as_tensor(plan[micro], dtype=torch.long)
             for layer, part in layers.items():
-                part = part[:len(rows)]  # rows that only evened out micro-batch shapes go
+                part = part[:len(rows), :routes.shape[1]]  # rows/columns only evening out shapes
                 routes[rows, :part.shape[1], layer] = part.to(torch.int32)
         if self.ctx.dp > 1:  # each row was recorded on one DP rank; 0 elsewhere
             dist.all_reduce(routes, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)
+        if self.routing.shard[1] > 1:  # and each position on one TP rank (sequence parallel)
+            dist.all_reduce(routes, op=dist.ReduceOp.MAX, group=self.ctx.tp_group)
         return routes.to(torch.int16)
 
     def train_batch(self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0,
@@ -409,7 +416,8 @@ class TrainEngine:
         for idx, res in pieces:
             rows = torch.as_tensor(idx)
             for name, value in res.items():
-                value = value[:len(idx)]  # drop rows that only filled a uniform micro-batch shape
+                # drop rows and columns that only filled a uniform (or TP-divisible) shape
+                value = value[:len(idx), :T] if value.dim() > 1 else value[:len(idx)]
                 if name not in out:
                     shape = (B,) if value.dim() == 1 else (B, T, *value.shape[2:])
                     out[name] = torch.zeros(shape, dtype=value.dtype)

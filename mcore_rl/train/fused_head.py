@@ -32,8 +32,16 @@ def defer_output_layer(chunks: list) -> torch.Tensor | None:
     if not getattr(model, "post_process", False):
         return None
     layer = model.output_layer
+    sequence_parallel = model.config.sequence_parallel
 
     def passthrough(hidden, weight=None, runtime_gather_output=None):
+        if sequence_parallel:
+            # [s/tp, b, H] -> [s, b, H]. The vocabulary-parallel log-prob already sums the
+            # hidden states' gradient over the TP ranks, so the backward only keeps each
+            # rank's slice of it (no second sum).
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return hidden, None
 
     layer.forward = passthrough

@@ -23,7 +23,8 @@ reference, the critic) routes by itself: models never share replay state.
 
 Legend: s tokens per sequence, b sequences of a micro-batch; a router sees the micro-batch's
 tokens flattened sequence-position-major (``[s, b] -> s * b``), as Megatron lays out
-hidden states.
+hidden states; under sequence parallelism each TP rank sees its contiguous slice of the s
+positions.
 """
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ class RoutingReplay:
         self.num_routers = sum(len(r) for r in self.routers)
         config = chunks[0].config
         self.num_layers, self.k = config.num_layers, config.moe_router_topk
+        self.shard = (0, 1)
+        """(rank, size) of the sequence split: under sequence parallelism each TP rank's
+        routers see only its contiguous slice of every micro-batch's positions."""
+        if config.sequence_parallel:
+            from megatron.core import parallel_state
+
+            self.shard = (parallel_state.get_tensor_model_parallel_rank(),
+                          parallel_state.get_tensor_model_parallel_world_size())
         if self.num_routers and any(r.router_replay is None for rs in self.routers for r in rs):
             raise ValueError("the model was built without routing replay "
                              "(MoeOptions(routing_replay=True))")
@@ -72,12 +81,19 @@ class RoutingReplay:
         """Layer -> [b, s, k] routes (experts + 1; 0 at padding) of the micro-batch the chunk
         just ran, whose ``attention_mask`` is [b, s]."""
         b, s = attention_mask.shape
-        real = attention_mask.bool()[:, :, None]
+        lo, hi = self._slice(s)
+        real = attention_mask.bool()[:, lo:hi, None]
         out = {}
         for router, layer in zip(self.routers[chunk_index], self.layers[chunk_index]):
-            idx = router.router_replay.get_recorded_indices().reshape(s, b, self.k).transpose(0, 1)
-            out[layer] = torch.where(real, idx.to(torch.int16) + 1, 0).to(torch.int16)
+            idx = router.router_replay.get_recorded_indices().reshape(hi - lo, b, self.k)
+            full = torch.zeros((b, s, self.k), dtype=torch.int16)
+            full[:, lo:hi] = torch.where(real, idx.transpose(0, 1).to(torch.int16) + 1, 0)
+            out[layer] = full  # other TP ranks' slices stay 0 (a max over TP fills them)
         return out
+
+    def _slice(self, s: int) -> tuple[int, int]:
+        rank, size = self.shard
+        return rank * (s // size), (rank + 1) * (s // size)
 
     def replay(self, chunk_index: int, routes: torch.Tensor) -> None:
         """Route the micro-batch the chunk runs next as ``routes`` [b, s, L, k] say. Tokens
@@ -86,10 +102,11 @@ class RoutingReplay:
         token (a token's log-prob depends on the positions before it)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        b, s = routes.shape[:2]
+        lo, hi = self._slice(routes.shape[1])
+        b, s = routes.shape[0], hi - lo
         fallback = torch.arange(self.k, dtype=torch.long)
         for router, layer in zip(self.routers[chunk_index], self.layers[chunk_index]):
-            chosen = routes[:, :, layer].to(torch.long)  # [b, s, k]
+            chosen = routes[:, lo:hi, layer].to(torch.long)  # [b, s, k]
             missing = (chosen == 0).any(-1, keepdim=True)
             target = torch.where(missing, fallback, chosen - 1)
             router.router_replay.set_target_indices(target.transpose(0, 1).reshape(s * b, self.k))

@@ -104,9 +104,9 @@ CASES = [
       "model.recompute_activations=true"], "moe.routing_replay=old_logprob with "
                                            "model.recompute_activations=true",
      "set model.recompute_activations=false"),
-    (["model.num_experts=4", "rollout.engine=hf", "moe.routing_replay=rollout"],
-     "moe.routing_replay=rollout: the hf engine does not report the experts",
-     "use moe.routing_replay=old_logprob"),
+    (["model.num_experts=4", "rollout.engine=sglang", "moe.routing_replay=rollout"],
+     "moe.routing_replay=rollout: the sglang engine does not report the experts",
+     "use rollout.engine=hf or moe.routing_replay=old_logprob"),
     (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2", "set parallel.vpp=null"),
     (["parallel.dp=3", "--nproc", "2"], "tp*pp*dp = 1*1*3 = 3 ranks, but the world has 2",
      "set parallel.dp=2"),

@@ -97,7 +97,6 @@ def _write_moe_config(path, **changes):
     (["parallel.ep=4"], 2, r"ep\*etp = 4\*1 does not divide the 2 ranks of a pipeline stage"),
     (["parallel.ep=2", "parallel.pp=2"], 2, r"ep\*etp = 2\*1 does not divide the 1 ranks"),
     (["parallel.etp=3"], None, r"parallel.etp=3 does not divide the model's expert FFN size 64"),
-    (["parallel.tp=2"], None, r"parallel.tp=2 with a mixture-of-experts model: .* parallel.ep"),
 ])
 def test_expert_parallel_layouts_are_checked_against_the_experts_and_the_world(
         tmp_path, overrides, world_size, message):
@@ -111,6 +110,7 @@ def test_an_expert_parallel_layout_that_fits_is_accepted(tmp_path):
     _write_moe_config(tmp_path)
     check([f"model.path={tmp_path}", "parallel.ep=2"], world_size=2)
     check(["model.num_experts=4", "parallel.ep=2"], world_size=4)  # inline, EP2 x DP2
+    check([f"model.path={tmp_path}", "parallel.tp=2", "parallel.ep=2"], world_size=4)  # TP2 x EP2
 
 
 def test_expert_parallelism_on_a_dense_model_is_rejected():

@@ -52,14 +52,15 @@ def _engine(ctx, dispatcher, aux: float = 0.0, tokens: int = 48):
     return build_engine(chunks, ctx, vocab_size=VOCAB, optim=optim)
 
 
-def _train_once(rank, world_size, ep, dispatcher, batch, init_dir, out_dir, aux=0.0, routes=None):
+def _train_once(rank, world_size, ep, dispatcher, batch, init_dir, out_dir, aux=0.0, routes=None,
+                tp=1):
     """One SGD step; ``routes`` (recorded on one rank) replayed when given. With ``routes
     == "record"``: record the batch's routes first (one rank) and return them too."""
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
     from mcore_rl.train.checkpoint import load_engine, save_engine
     from mcore_rl.train.routing_replay import ROUTES
 
-    ctx = initialize_parallel(ep=ep, seed=11)
+    ctx = initialize_parallel(tp=tp, ep=ep, seed=11)
     # With the aux loss on, one sequence per micro-batch (34 tokens): every layout runs the
     # same micro-batches, as the load-balancing loss is a statistic of its micro-batch.
     engine = _engine(ctx, dispatcher, aux, tokens=34 if aux else 48)
@@ -118,7 +119,8 @@ def test_one_train_batch_of_a_moe_model_updates_parameters_identically_at_ep2(tm
         assert diff <= 1e-5, f"{name}: parameters differ from EP1 by {diff:.2e} (worst: {where})"
 
 
-def test_with_the_aux_loss_on_and_routes_replayed_ep2_updates_parameters_as_one_rank(tmp_path):
+def test_with_the_aux_loss_on_and_routes_replayed_ep2_and_tp2xep2_update_parameters_as_one_rank(
+        tmp_path):
     """Megatron's load-balancing loss in the gradient (the same micro-batches in every
     layout: one sequence each, four per EP rank), and every rank routing each token as the
     one-rank run did (so round-off cannot flip a near tie between the layouts)."""
@@ -128,10 +130,14 @@ def test_with_the_aux_loss_on_and_routes_replayed_ep2_updates_parameters_as_one_
         _train_once, 1, "alltoall", "uneven", init, str(tmp_path / "oracle"), AUX_LOSS, "record")
     assert ref_metrics["moe/load_balancing_loss"] > 0
     expected = oracle.run(_model_tensors, str(tmp_path / "oracle"))[0]
-    for name, (ep, dispatcher) in LAYOUTS.items():
+    layouts = {**{name: (ep, d, 1, world) for name, (ep, d) in LAYOUTS.items()},
+               # TP2 x EP2 on 4 ranks: sequence-parallel (Megatron's rule for experts under
+               # TP), the experts split over the TP ranks too (etp = tp)
+               "TP2xEP2-alltoall": (2, "alltoall", 2, shared_world(4))}
+    for name, (ep, dispatcher, tp, ranks) in layouts.items():
         out = str(tmp_path / name)
-        for step_loss, _, metrics, _ in world.run(_train_once, ep, dispatcher, "uneven", init, out,
-                                                  AUX_LOSS, routes):
+        for step_loss, _, metrics, _ in ranks.run(_train_once, ep, dispatcher, "uneven", init, out,
+                                                  AUX_LOSS, routes, tp):
             assert step_loss == pytest.approx(ref_loss, rel=1e-5)
         got = oracle.run(_model_tensors, out)[0]
         diff, where = max_relative_difference(got, expected)
