@@ -4,8 +4,12 @@ In one run, on the same random batch and model shape (Llama-style, fp32):
 - TP1 (this process, a world of one): `TrainEngine.forward` (per-token log-probs) and one
   `train_batch` (forward + backward + Adam), against HF ``LlamaForCausalLM`` computing
   the same log-probs with ``log_softmax(logits).gather`` and the same Adam step;
-- TP2 and PP2 on two local ranks (one thread each), reported next to the TP1 figure.
-Both TP1 sides use the same number of threads. Tokens are the real (non-padding) tokens.
+- TP2 and PP2 on two local ranks (one thread each), reported next to the TP1 figure;
+- a mixture-of-experts model of the same width (Qwen3-MoE-shaped: QK norm, 8 experts,
+  top-2, every layer MoE) at EP1 (one rank) and EP2 (two ranks x one thread, each holding
+  half the experts), both against HF ``Qwen3MoeForCausalLM`` of the same shape.
+Both single-rank sides use the same number of threads. Tokens are the real (non-padding)
+tokens.
 """
 from __future__ import annotations
 
@@ -28,6 +32,16 @@ SIZES = {
 }
 
 
+def moe_arch(dense: ModelArch) -> ModelArch:
+    """The mixture-of-experts model of a size: the dense shape, QK norm, 8 experts, top-2,
+    each expert a quarter of the dense FFN."""
+    from dataclasses import replace
+
+    return replace(dense, qk_norm=True, num_experts=8, experts_per_token=2,
+                   moe_intermediate_size=dense.intermediate_size // 4, norm_topk_prob=True,
+                   expert_naming="qwen3_moe")
+
+
 def make_batch(arch: ModelArch, n: int, min_len: int, max_len: int):
     from mcore_rl.data.batch import Batch
 
@@ -42,16 +56,17 @@ def loss_fn(outputs, mb):
     return -(outputs["logprobs"] * mask).sum(), mask.sum(), {}
 
 
-def _engine_rates(rank, world_size, size, tp, pp):
-    """Forward and train-step tokens/s of the engine at (tp, pp)."""
+def _engine_rates(rank, world_size, size, tp, pp, ep=0):
+    """Forward and train-step tokens/s of the engine at (tp, pp); ``ep`` > 0: the MoE model
+    at that expert parallelism."""
     from mcore_rl.config import OptimizerConfig
     from mcore_rl.models.gpt import build_gpt_chunks
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
     from mcore_rl.train.build import build_engine
 
     spec = SIZES[size]
-    arch = spec["arch"]
-    ctx = initialize_parallel(tp=tp, pp=pp)
+    arch = moe_arch(spec["arch"]) if ep else spec["arch"]
+    ctx = initialize_parallel(tp=tp, pp=pp, ep=max(ep, 1))
     budget = spec["max_len"] * spec["batch"] // 2  # two or more micro-batches
     engine = build_engine(build_gpt_chunks(arch, ctx), ctx, vocab_size=arch.vocab_size,
                           optim=OptimizerConfig(lr=1e-5, micro_batch_tokens=budget))
@@ -63,16 +78,23 @@ def _engine_rates(rank, world_size, size, tp, pp):
     return tokens / fwd, tokens / step
 
 
-def _hf_rates(size: str) -> tuple[float, float]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _hf_rates(size: str, moe: bool = False) -> tuple[float, float]:
+    import transformers as tf
 
     spec = SIZES[size]
     a = spec["arch"]
-    model = LlamaForCausalLM(LlamaConfig(
+    common = dict(
         vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
         num_hidden_layers=a.num_layers, num_attention_heads=a.num_attention_heads,
         num_key_value_heads=a.num_kv_heads, max_position_embeddings=a.max_position_embeddings,
-        tie_word_embeddings=False))
+        head_dim=a.hidden_size // a.num_attention_heads, tie_word_embeddings=False)
+    if moe:
+        m = moe_arch(a)
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            **common, num_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
+            moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=True))
+    else:
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     batch = make_batch(a, spec["batch"], spec["min_len"], spec["max_len"])
     ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"].float()
@@ -121,10 +143,21 @@ def main(argv: list[str] | None = None) -> int:
             fwd, step = world.run(_engine_rates, size, tp, pp)[0]
             results[f"forward_{name}"] = throughput_comparison(fwd, tp1_fwd, "tokens/s")
             results[f"train_step_{name}"] = throughput_comparison(step, tp1_step, "tokens/s")
+    print(f"[train-engine] HF transformers mixture-of-experts baseline ({size})", flush=True)
+    moe_fwd, moe_step = _hf_rates(size, moe=True)
+    for name, ranks in {"moe_ep1": 1, "moe_ep2": 2}.items():
+        print(f"[train-engine] mcore-rl {name.upper()}", flush=True)
+        with SharedWorld(ranks, threads_per_rank=args.threads if ranks == 1 else 1) as world:
+            fwd, step = world.run(_engine_rates, size, 1, 1, ranks)[0]
+        results[f"forward_{name}"] = throughput_comparison(fwd, moe_fwd, "tokens/s")
+        results[f"train_step_{name}"] = throughput_comparison(step, moe_step, "tokens/s")
     out = {"benchmark": "train-engine", "size": size, "machine": machine_info(),
            "model": SIZES[size]["arch"].__dict__ | {}, "batch": SIZES[size]["batch"],
+           "moe_model": {k: v for k, v in moe_arch(SIZES[size]["arch"]).__dict__.items()
+                         if not k.startswith("_")},
            "note": "forward_/train_step_tp1 compare against HF transformers; tp2/pp2 against "
-                   "our TP1 (2 ranks x 1 thread vs 1 rank x --threads threads)",
+                   "our TP1 (2 ranks x 1 thread vs 1 rank x --threads threads); moe_ep1/ep2 "
+                   "against HF Qwen3MoeForCausalLM of the moe_model shape",
            "results": results}
     out["model"] = {k: v for k, v in out["model"].items() if not k.startswith("_")}
     write_json(args.json, out)
