@@ -1,7 +1,8 @@
-"""`RLTrainer`: the single-controller view of an RL run. The script that creates it is the
-driver; the trainer's ranks (TP x PP x DP) are the Ray actors of one Megatron worker group,
-each holding the same run as a rank of ``mcore-rl train`` (`RLWorker`), and every call
-runs on all of them at once and returns rank 0's answer."""
+"""`RLTrainer`: the single-controller view of a training run. The script that creates it is
+the driver; the trainer's ranks (TP x PP x DP) are the Ray actors of one Megatron worker
+group, each holding the same run as a rank of ``mcore-rl train`` (`RLWorker`; for the
+fine-tuning jobs sft, rm, dpo and kto, `FinetuneWorker`), and every call runs on all of
+them at once and returns rank 0's answer."""
 from __future__ import annotations
 
 import time
@@ -15,6 +16,8 @@ from mcore_rl.config import RLConfig, load_config, validate_config
 from mcore_rl.config.loader import config_to_dict
 from mcore_rl.errors import UsageError
 
+JOBS = ("rl", "sft", "rm", "dpo", "kto")
+"""``train.job`` of the configs an `RLTrainer` runs."""
 ALGO_ALIASES = {"ppo": "gae"}
 """``algo=`` of `RLTrainer`: an advantage estimator's name (``grpo``, ``rloo``, ...), or
 ``ppo`` for GAE with a critic."""
@@ -58,11 +61,19 @@ class RLTrainer:
         p = config.parallel
         self.world_size = (p.dp or 1) * p.tp * p.pp
         validate_config(config, world_size=self.world_size)
-        if config.train.job != "rl":
-            raise UsageError(f"RLTrainer runs train.job=rl, not {config.train.job!r}")
-        from mcore_rl.rl.setup import check_job
+        self.job = config.train.job
+        if self.job not in JOBS:
+            raise UsageError(f"RLTrainer runs train.job {', '.join(JOBS)}, not {self.job!r} "
+                             "(online_dpo: sample, score and pass the pairs to a dpo trainer's "
+                             "update, or run it with mcore-rl train)")
+        if self.job == "rl":
+            from mcore_rl.rl.setup import check_job
 
-        check_job(config)
+            check_job(config)
+        else:
+            from mcore_rl.finetune.check import check_finetune_job
+
+            check_finetune_job(config)
         self._group: Any = None
         self._stop_ray = None
         self._start(devices, address)
@@ -74,6 +85,7 @@ class RLTrainer:
         return cls(config=load_config(path, list(overrides)), devices=devices, address=address)
 
     def _start(self, devices: Sequence[int] | None, address: str | None) -> None:
+        from mcore_rl.api.finetune_worker import FinetuneWorker
         from mcore_rl.api.worker import RLWorker
         from mcore_rl.flow import Megatron, factory, ray_shim
 
@@ -85,7 +97,8 @@ class RLTrainer:
         strategy = Megatron(tp=p.tp, pp=p.pp, dp=self.world_size // (p.tp * p.pp), vpp=p.vpp,
                             seed=self.cfg.train.seed, threads_per_rank=p.cpu_threads_per_rank,
                             backend=p.backend, ep=p.ep, etp=p.etp)
-        spec = SimpleNamespace(function=factory(RLWorker, config_to_dict(self.cfg)),
+        worker = RLWorker if self.job == "rl" else FinetuneWorker
+        spec = SimpleNamespace(function=factory(worker, config_to_dict(self.cfg)),
                                num_workers=self.world_size,
                                devices=tuple(devices) if devices is not None else None)
         try:
@@ -101,14 +114,28 @@ class RLTrainer:
         (the chat template applied as ``data.apply_chat_template`` says), token-id lists,
         or dicts with ``prompt`` (or ``prompt_ids``) and fields for the reward (e.g.
         ``answer``)."""
+        if self.job != "rl":
+            raise UsageError(f"sample: a {self.job} trainer has no rollout engine; sample with "
+                             "an rl trainer (train.job=rl)")
         if n is not None and n < 1:
             raise UsageError(f"sample: n must be >= 1, got {n}")
         return Rollouts(self._call("sample", list(prompts), n, greedy))
 
-    def update(self, rollouts: Rollouts) -> dict[str, float]:
-        """One RL step on ``rollouts`` (with ``rollouts["reward"]`` set): log-probs, KL,
-        values, advantages, the actor (and critic) update and the weight sync; the step's
-        metrics (``actor/*``, ``reward/*``, ``time/*``, ...)."""
+    def update(self, rollouts: Rollouts | Sequence[dict]) -> dict[str, float]:
+        """One step; the step's metrics.
+
+        RL (``train.job: rl``): ``rollouts`` as `sample` returned them, with
+        ``rollouts["reward"]`` set: log-probs, KL, values, advantages, the actor (and
+        critic) update and the weight sync (``actor/*``, ``reward/*``, ``time/*``, ...).
+        Fine-tuning (sft, rm, dpo, kto): a list of records in the job's format (``prompt``
+        and ``completion`` or ``messages``; ``prompt, chosen, rejected``; ``prompt,
+        completion, label``; field names as ``finetune.*_key`` say): the frozen reference's
+        log-probs and one optimizer step (``loss``, ``rewards/*``, ``kto/kl``, ...)."""
+        if self.job != "rl":
+            if isinstance(rollouts, Rollouts) or not all(isinstance(r, dict) for r in rollouts):
+                raise UsageError(f"update of a {self.job} trainer takes a list of records (dicts "
+                                 "in the job's format), not rollouts")
+            return self._call("update", list(rollouts))
         if not isinstance(rollouts, Rollouts):
             raise UsageError(f"update takes the Rollouts that sample returned, not "
                              f"{type(rollouts).__name__}")
@@ -118,9 +145,11 @@ class RLTrainer:
         metrics["time/driver_update"] = time.perf_counter() - t
         return metrics
 
-    def validate(self) -> float:
-        """Mean reward (the config's reward function) of greedy responses to the config's
-        validation prompts; logged as ``val/score``."""
+    def validate(self) -> float | dict[str, float]:
+        """RL: the mean reward (the config's reward function) of greedy responses to the
+        config's validation prompts, logged as ``val/score``. Fine-tuning: the job's held-out
+        metrics (``val/preference_accuracy``, ``val/reward_accuracy``, ``val/rm_accuracy``,
+        ``val/loss``; ``val/score`` with ``finetune.val_score``), logged too."""
         return self._call("validate")
 
     def save(self, path: str | Path | None = None) -> Path:

@@ -21,12 +21,19 @@ from mcore_rl.parallel import ParallelContext
 def finetune_step(run: FinetuneRun) -> dict[str, float]:
     """One optimizer step over ``finetune.batch_size`` records; the step's metrics."""
     t0 = time.perf_counter()
-    computed = run.reference_cache.computed if run.reference_cache is not None else 0
     batch = run.job.next_batch(run)
     online = {} if run.last_rollout_reward is None else {
         "reward/mean": run.last_rollout_reward, "pairs": 0.0 if batch is None else len(batch) / 2}
     if batch is None:  # an online step whose samples all tied: nothing to learn from
         return online
+    return learn_from(run, batch, t0, online)
+
+
+def learn_from(run: FinetuneRun, batch, t0: float, extra: dict | None = None) -> dict[str, float]:
+    """The job's frozen-model passes and one optimizer step on ``batch`` (started at ``t0``,
+    for the step's time); the step's metrics, with ``extra``."""
+    online = dict(extra or {})
+    computed = run.reference_cache.computed if run.reference_cache is not None else 0
     batch = run.job.prepare(run, batch)
     t1 = time.perf_counter()
     cache = {} if run.reference_cache is None else {

@@ -30,13 +30,18 @@ def build_job(cfg: RLConfig) -> FinetuneJob:
 def load_examples(cfg: RLConfig, tokenizer: Tokenizer, split: str) -> tuple[list, RecordReport | None]:
     """Tokenized records of a split, and the report of what was left out (the validation
     split may be empty; the training split may not)."""
-    from mcore_rl.config.validate import model_shape
-
     rows, where = finetune_rows(cfg, split)
     if split == "val" and not rows:
         return [], None
-    max_length = cfg.finetune.max_length or model_shape(cfg).max_position_embeddings
-    return EXAMPLES[cfg.train.job](rows, cfg, tokenizer, where, max_length)
+    return EXAMPLES[cfg.train.job](rows, cfg, tokenizer, where, max_length(cfg))
+
+
+def max_length(cfg: RLConfig) -> int:
+    """The longest prompt + completion a record may have (``finetune.max_length``, by default
+    the model's positions)."""
+    from mcore_rl.config.validate import model_shape
+
+    return cfg.finetune.max_length or model_shape(cfg).max_position_embeddings
 
 
 def trained_parts(cfg: RLConfig) -> list[str]:
