@@ -63,9 +63,8 @@ class RLTrainer:
         validate_config(config, world_size=self.world_size)
         self.job = config.train.job
         if self.job not in JOBS:
-            raise UsageError(f"RLTrainer runs train.job {', '.join(JOBS)}, not {self.job!r} "
-                             "(online_dpo: sample, score and pass the pairs to a dpo trainer's "
-                             "update, or run it with mcore-rl train)")
+            raise UsageError(f"RLTrainer runs train.job {', '.join(JOBS)}, not {self.job!r}; "
+                             f"run it with mcore-rl train")
         if self.job == "rl":
             from mcore_rl.rl.setup import check_job
 
