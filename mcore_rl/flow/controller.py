@@ -76,12 +76,8 @@ class ControllerProcess:
         spec = self.spec
         stats = ControllerStats(spec.role, spec.index)
         start = time.perf_counter()
-        for item in self._inputs(hub, stats):
-            if spec.counts_steps and not ray.get(hub.take_step.remote()):
-                break
-            result = self._call(item, hub, stats)
-            if spec.reports_done:
-                ray.get(hub.sink_done.remote())
+        results = self._streamed(hub, stats) if spec.streaming else self._called(hub, stats)
+        for result in results:
             if result is None or spec.output is None:
                 continue
             t = time.perf_counter()
@@ -93,7 +89,30 @@ class ControllerProcess:
         if spec.output is not None:
             ray.get(hub.close.remote(spec.output))
         stats.wall_s = time.perf_counter() - start
+        if spec.streaming:  # the function's own time: what was not spent waiting on streams
+            stats.busy_s = max(0.0, stats.wall_s - stats.blocked_in_s - stats.blocked_out_s)
         return stats
+
+    def _called(self, hub: Any, stats: ControllerStats) -> Iterator[Any]:
+        """The function called per (merged) input item; its results."""
+        ray = ray_shim.require()
+        spec = self.spec
+        for count, item in self._inputs(hub, stats):
+            if spec.counts_steps and not ray.get(hub.take_step.remote()):
+                return
+            result = self._call(item, hub, stats)
+            if spec.reports_done:
+                ray.get(hub.sink_done.remote(count))
+            yield result
+
+    def _streamed(self, hub: Any, stats: ControllerStats) -> Iterator[Any]:
+        """The streaming function, given the input iterator; what it yields."""
+        def inputs() -> Iterator[Any]:
+            for _, item in self._inputs(hub, stats):
+                stats.calls += 1
+                yield item
+
+        yield from self.executor.stream(inputs())
 
     def close(self) -> None:
         """Close the function (and its strategy's processes). The launch calls it once every
@@ -113,7 +132,8 @@ class ControllerProcess:
                 kill_process_group(pid)
         os.killpg(os.getpid(), signal.SIGKILL)
 
-    def _inputs(self, hub: Any, stats: ControllerStats) -> Iterator[Any]:
+    def _inputs(self, hub: Any, stats: ControllerStats) -> Iterator[tuple[int, Any]]:
+        """(how many stream items, the call's input) until the input stream ends."""
         ray = ray_shim.require()
         k = self.spec.batch_items
         group: list = []
@@ -126,10 +146,10 @@ class ControllerProcess:
             stats.items_in += len(values)
             group += values
             if len(group) == k:
-                yield merge_items(group, k)
+                yield k, merge_items(group, k)
                 group = []
         if group and state == ENDED:
-            yield merge_items(group, k)
+            yield len(group), merge_items(group, k)
 
     def _call(self, item: Any, hub: Any, stats: ControllerStats) -> Any:
         ray = ray_shim.require()

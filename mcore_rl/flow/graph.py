@@ -79,6 +79,11 @@ class Controller:
     batch_items: int = 1
     """Items merged into one call: ``Batch.cat`` for batches, a list otherwise; the last,
     partial group at end-of-stream is delivered too."""
+    streaming: bool = False
+    """The function (or the object built from it) is called once, with the iterator of its
+    input items (merged as ``batch_items`` says), and yields its outputs when they are
+    ready: it may hold several inputs in flight and emit them in another order
+    (continuous batching). Strategy ``process`` only."""
 
     def __post_init__(self) -> None:
         if not self.role:
@@ -106,6 +111,9 @@ class Controller:
                                      f"conflicts with {self.strategy} ({world} ranks); leave "
                                      "num_workers out")
                 self.num_workers = world
+        if self.streaming and self.strategy != "process":
+            raise UsageError(f"controller '{self.role}': a streaming function runs in one process "
+                             f"(strategy 'process'), not {self.strategy}")
         if self.data_input is not None and self.data_input is self.data_output:
             raise UsageError(f"controller '{self.role}' reads and writes the same stream")
 

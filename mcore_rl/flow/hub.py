@@ -101,7 +101,9 @@ class Hub:
         self.steps_taken = 0
         self.done = 0
         self.stopping = False
-        """Finished calls of the sinks (a launch with ``max_in_flight`` counts them)."""
+        """Items of the launch's data the sinks have finished (a launch with
+        ``max_in_flight`` counts them: each item the feed put in becomes one stream item
+        per controller, and a sink call reports the items it consumed)."""
         self.done_changed = asyncio.Condition()
         self.services: dict[str, list] = {}
         """name -> [the actor handle of the process that published it] (`flow.publish`)."""
@@ -144,13 +146,13 @@ class Hub:
         """What waits in ``stream`` (boxed object references), left in place: for inspection."""
         return list(self.streams[stream].items)
 
-    async def sink_done(self) -> None:
+    async def sink_done(self, items: int = 1) -> None:
         async with self.done_changed:
-            self.done += 1
+            self.done += items
             self.done_changed.notify_all()
 
     async def wait_done(self, n: int) -> bool:
-        """Wait until ``n`` sink calls have finished; False if the launch is stopping."""
+        """Wait until the sinks have finished ``n`` items; False if the launch is stopping."""
         async with self.done_changed:
             await self.done_changed.wait_for(lambda: self.done >= n or self.stopping)
             return self.done >= n

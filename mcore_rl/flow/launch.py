@@ -54,9 +54,9 @@ def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
     Ray: joins the running one, else ``ray.init(address=address)`` (a local cluster when
     None), shut down again at the end. ``feed_buffer``: items of ``data`` waiting for the
     sources (default two per source). ``max_in_flight``: at most this many items of
-    ``data`` are fed and not yet finished by the sinks (each item one sink call): 1 runs
-    the graph one item at a time (a synchronous RL step), K lets the sources run K - 1
-    items ahead."""
+    ``data`` are fed and not yet finished by the sinks (a sink call finishes the items it
+    merged, ``batch_items``): 1 runs the graph one item at a time (a synchronous RL step),
+    K lets the sources run K - 1 items ahead."""
     ray = ray_shim.require()
     if steps is None and num_epochs is None:
         num_epochs = 1

@@ -33,7 +33,10 @@ class InstanceSpec:
     counts_steps: bool
     """A sink of a launch with ``steps``: each call takes one step of the budget first."""
     reports_done: bool = False
-    """A sink of a launch with ``max_in_flight``: each finished call is reported to the hub."""
+    """A sink of a launch with ``max_in_flight``: the items each finished call consumed are
+    reported to the hub."""
+    streaming: bool = False
+    """The function takes the input iterator and yields outputs (`Controller.streaming`)."""
 
     @property
     def name(self) -> str:
@@ -82,6 +85,10 @@ def build_plan(group: ControllerGroup, has_data: bool, steps: int | None,
     if steps is None and _has_cycle(controllers):
         raise UsageError("the graph has a cycle, so its streams never end: give launch steps=")
 
+    for c in controllers:
+        if c.streaming and c.is_sink:
+            raise UsageError(f"controller '{c.role}': a streaming function needs a data_output "
+                             "(sinks are called per item, so steps and pacing can count them)")
     device_users: Counter = Counter(d for c in controllers for d in (c.devices or ()))
     indices: Counter = Counter()
     instances = []
@@ -93,7 +100,7 @@ def build_plan(group: ControllerGroup, has_data: bool, steps: int | None,
             output=c.data_output.name if c.data_output is not None else None,
             takes_turns=any(device_users[d] > 1 for d in (c.devices or ())),
             counts_steps=steps is not None and c.is_sink,
-            reports_done=max_in_flight is not None and c.is_sink))
+            reports_done=max_in_flight is not None and c.is_sink, streaming=c.streaming))
         indices[c.role] += 1
     table = {name: (s.buffer_size, producers[name]) for name, s in streams.items()}
     if sources:

@@ -50,6 +50,10 @@ class InProcess:
     def processes(self) -> list[tuple[str, int]]:
         return []
 
+    def stream(self, items):
+        """A streaming function: called once with the input iterator; its outputs."""
+        return self.function(items)
+
     def close(self) -> None:
         close = getattr(self.function, "close", None)
         if callable(close):

@@ -144,12 +144,15 @@ class WorkerGroup:
         return list(self.places)
 
     def close(self) -> None:
-        """Close the function on every rank, leave the world, then end the ranks' processes
-        (a launch's teardown then finds them gone instead of waiting for them)."""
+        """Close the function on every rank, leave the world, then let the ranks' processes
+        exit (a launch's teardown then finds them gone instead of waiting for them)."""
         try:
             ray_shim.get_all([r.stop.remote() for r in self.ranks])
-        finally:
+        except BaseException:
             self.kill()
+            raise
+        for r in self.ranks:  # an orderly exit once its calls are done (a kill is reported)
+            r.__ray_terminate__.remote()
 
     def kill(self) -> None:
         """Every rank's actor and the process groups they lead (engines they started)."""

@@ -289,3 +289,22 @@ def digit_share(batch):
     scores = [sum(c.isdigit() for c in text) / max(len(text), 1)
               for text in batch.meta["response_text"]]
     return batch.with_tensors(scores=torch.tensor(scores, dtype=torch.float32))
+
+
+class Reorder:
+    """A streaming function (continuous batching in miniature): keeps up to ``hold`` inputs
+    in flight and emits the oldest-but-one first, so outputs leave out of input order; logs
+    when it takes each input."""
+
+    def __init__(self, log: str, hold: int = 3):
+        self.log, self.hold = log, hold
+
+    def __call__(self, items):
+        held = []
+        for x in items:
+            write(self.log, event="take", x=x, t=time.monotonic())
+            held.append(x)
+            if len(held) == self.hold:
+                yield {"x": held.pop(1)}
+        while held:
+            yield {"x": held.pop()}
