@@ -70,10 +70,14 @@ class RolloutSample:
     finish_reason: str
     """"stop" (a stop token ended it) or "length" (max_new_tokens reached)."""
     weight_version: int | None
+    """The version of the weights that generated its first token (its oldest)."""
     routes: torch.Tensor | None = None
     """[P + R - 1, L, k] experts each position of prompt + response was routed to, per layer
     (``SamplingConfig.return_routes``): every position the engine ran, which is all but the
     last token (never fed back). None when not asked for."""
+    token_versions: list[int] | None = None
+    """The weight version of each response token, where a sample continued under newer
+    weights than it started with (a partial rollout); None: all ``weight_version``."""
 
 
 @dataclass
@@ -106,7 +110,12 @@ class Rollouts:
         group = torch.tensor([s.prompt_index for s in self.samples], dtype=torch.long)
         for i, (s, p) in enumerate(zip(self.samples, prompt_lens)):
             logprobs[i, p:p + len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
-        batch = batch.with_tensors(rollout_logprobs=logprobs, group_id=group)
+        versions = torch.zeros(batch["input_ids"].shape, dtype=torch.long)
+        for i, (s, p) in enumerate(zip(self.samples, prompt_lens)):
+            token_versions = s.token_versions or [s.weight_version or 0] * len(s.token_ids)
+            versions[i, p:p + len(s.token_ids)] = torch.tensor(token_versions, dtype=torch.long)
+        batch = batch.with_tensors(rollout_logprobs=logprobs, group_id=group,
+                                   token_versions=versions)
         if self.samples and self.samples[0].routes is not None:
             # as `mcore_rl.train.routing_replay` keeps them: experts + 1, 0 where none ran
             first = self.samples[0].routes
@@ -115,6 +124,16 @@ class Rollouts:
                 routes[i, :len(s.routes)] = s.routes.to(torch.int16) + 1
             batch = batch.with_tensors(routes=routes)
         return batch
+
+
+@dataclass
+class Request:
+    """One submitted request: ``sampling.n`` samples of one prompt."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingConfig
+    seed: int | None
 
 
 class RolloutEngine(ABC):
@@ -149,6 +168,45 @@ class RolloutEngine(ABC):
     @abstractmethod
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                   seeds: list[int | None]) -> Rollouts: ...
+
+    # ----- request by request (continuous batching) -------------------------------------
+    # submit -> step (repeatedly; finished requests come back) -> cancel (what is unfinished)
+    # Between two steps the engine may take new weights; what then runs on is the caller's
+    # choice (`mcore_rl.api.continuous`).
+    continuous: bool = False
+    """Whether the engine runs every submitted request at once, admitting new ones as others
+    finish. The default runs them one after another, each to its end, in `step`."""
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``; `step` runs it."""
+        self._queued().append(request)
+
+    def step(self) -> list[tuple[str, list[RolloutSample]]]:
+        """Advance the submitted requests; those that finished, with their samples (the
+        default: the oldest queued request, generated whole)."""
+        queue = self._queued()
+        if not queue:
+            return []
+        request = queue.pop(0)
+        rollouts = self.generate([request.prompt], request.sampling, seeds=[request.seed])
+        return [(request.request_id, list(rollouts.samples))]
+
+    def cancel(self, request_ids: Sequence[str]) -> dict[str, list[RolloutSample]]:
+        """Stop these requests; per request, what its samples had generated so far (an
+        unfinished sample has finish reason "abort"; the default starts none early)."""
+        queue = self._queued()
+        cancelled = {r.request_id for r in queue if r.request_id in set(request_ids)}
+        queue[:] = [r for r in queue if r.request_id not in cancelled]
+        return {rid: [] for rid in cancelled}
+
+    def sequences_in_flight(self) -> int:
+        """Samples the engine is generating now (its batch occupancy)."""
+        return 0
+
+    def _queued(self) -> list[Request]:
+        if not hasattr(self, "_request_queue"):
+            self._request_queue: list[Request] = []
+        return self._request_queue
 
     # ----- weights ----------------------------------------------------------------------
     @abstractmethod

@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from mcore_rl.engines import vllm_shim
-from mcore_rl.engines.base import RolloutEngine, Rollouts, RolloutSample, SamplingConfig
+from mcore_rl.engines.base import Request, RolloutEngine, Rollouts, RolloutSample, SamplingConfig
 from mcore_rl.engines.liveness import EngineCalls, EngineOutput, EngineProcesses, watch_owner
 from mcore_rl.engines.placement import plan_cpu_placement
 from mcore_rl.wire import WeightSyncError
@@ -129,12 +131,17 @@ class VLLMEngine(RolloutEngine):
                 gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
                 enable_sleep_mode=self.supports_sleep, block_size=block_size)
         self._own_pids = _child_pids() - before
+        self._prefix_cache_owed = False
+        self._streams: dict[str, tuple[Request, dict]] = {}
+        """Requests submitted one by one (`submit`): their latest completions by sample."""
         self._calls = EngineCalls(EngineProcesses(self.name, self._own_pids), self.output, timeout_s)
         """Every call into the engine: on a thread of its own, never waiting on a dead engine."""
 
     # ----- generation -----------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                   seeds: list[int | None]) -> Rollouts:
+        if self._streams:  # requests submitted one by one are running: step beside them
+            return self._generate_beside_streams(prompts, sampling, seeds)
         params = [vllm_shim.sampling_params(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
@@ -151,6 +158,99 @@ class VLLMEngine(RolloutEngine):
                 rollouts.samples.append(RolloutSample(i, j, prompt, ids, logprobs, reason,
                                                       self.weight_version))
         return rollouts
+
+    # ----- request by request: vLLM's own continuous batching -----------------------------
+    continuous = True
+
+    def _params(self, sampling: SamplingConfig, seed: int | None):
+        return vllm_shim.sampling_params(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids), seed=seed, logprobs=0, detokenize=False)
+
+    def submit(self, request: Request) -> None:
+        """Add ``request`` to vLLM's running batch at once (its scheduler admits it as room
+        frees up); the samples are reported after every `step`."""
+        if self._torn:
+            raise WeightSyncError(self._torn)
+        if self._prefix_cache_owed and not self._streams:
+            self.reset_prefix_cache()
+        self._calls.run("add a request", vllm_shim.add_streaming_request, self.llm,
+                        request.request_id, request.prompt, self._params(request.sampling, request.seed))
+        self._streams[request.request_id] = (request, {})
+
+    def step(self) -> list[tuple[str, list[RolloutSample]]]:
+        """One engine step (every running sample a token further, new prompts prefilled);
+        the requests whose samples have all finished."""
+        return self._step_requests(None)
+
+    def _step_requests(self, only: list[str] | None) -> list[tuple[str, list[RolloutSample]]]:
+        """One engine step; the finished requests (of ``only``, when given: the others stay
+        reported as finished to the next `step`)."""
+        if not self._streams:
+            return []
+        # Requests may all be done already (another caller stepped them): vLLM's step would
+        # then wait for outputs that never come.
+        running = self.llm.llm_engine.has_unfinished_requests()
+        outputs = self._calls.run("a step", self.llm.llm_engine.step) if running else []
+        for out in outputs:
+            _, completions = self._streams[out.request_id]
+            for c in out.outputs:
+                completions[c.index] = c
+        done = []
+        for rid, (request, completions) in list(self._streams.items()):
+            if only is not None and rid not in only:
+                continue
+            if len(completions) == request.sampling.n and \
+                    all(c.finish_reason is not None for c in completions.values()):
+                del self._streams[rid]
+                done.append((rid, self._samples(request, completions)))
+        return done
+
+    def cancel(self, request_ids: Sequence[str]) -> dict[str, list[RolloutSample]]:
+        """Abort these requests; per request, each sample's tokens so far ("abort" if
+        unfinished)."""
+        ids = [rid for rid in request_ids if rid in self._streams]
+        if ids:
+            self._calls.run("abort requests", self.llm.llm_engine.abort_request, ids)
+        out = {}
+        for rid in ids:
+            request, completions = self._streams.pop(rid)
+            out[rid] = self._samples(request, completions)
+        return out
+
+    def _generate_beside_streams(self, prompts, sampling, seeds) -> Rollouts:
+        """``generate`` while `submit`-ted requests run (e.g. a validation during an
+        asynchronous run): vLLM's own blocking loop would step them and swallow their
+        outputs, so these prompts become requests of the same kind, stepped until they are
+        done; the other requests advance meanwhile and report as usual."""
+        ids = [f"generate-{id(prompts)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, seed in zip(ids, prompts, seeds):
+            self.submit(Request(rid, prompt, sampling, seed))
+        done: dict[str, list[RolloutSample]] = {}
+        while len(done) < len(ids):
+            for rid, samples in self._step_requests(ids):
+                done[rid] = samples
+        rollouts = Rollouts()
+        for i, rid in enumerate(ids):
+            rollouts.samples += [replace(s, prompt_index=i) for s in done[rid]]
+        return rollouts
+
+    def sequences_in_flight(self) -> int:
+        return sum(request.sampling.n - sum(c.finish_reason is not None for c in completions.values())
+                   for request, completions in self._streams.values())
+
+    def _samples(self, request: Request, completions: dict) -> list[RolloutSample]:
+        samples = []
+        for j in range(request.sampling.n):
+            c = completions.get(j)
+            ids = list(c.token_ids) if c is not None else []
+            logprobs = [step[tok].logprob for step, tok in zip(c.logprobs or [], ids)] if c else []
+            reason = "abort" if c is None or c.finish_reason is None else \
+                "stop" if c.finish_reason == "stop" else "length"
+            samples.append(RolloutSample(0, j, list(request.prompt), ids, logprobs, reason,
+                                         self.weight_version))
+        return samples
 
     # ----- weights ----------------------------------------------------------------------
     def _call_workers(self, method: str, *args) -> list:
@@ -200,7 +300,11 @@ class VLLMEngine(RolloutEngine):
             self._call_workers("mcore_rl_finish_update", complete)
 
     def reset_prefix_cache(self) -> None:
-        self._calls.run("reset_prefix_cache", self.llm.reset_prefix_cache)
+        # vLLM refuses while running requests hold cache blocks (requests submitted one by
+        # one that new weights cut short): then the reset is owed, and done before the next
+        # request is admitted once none runs, so no request reuses the old weights' cache.
+        done = self._calls.run("reset_prefix_cache", self.llm.reset_prefix_cache)
+        self._prefix_cache_owed = done is False
 
     def check_alive(self, what: str = "its last call") -> None:
         self._calls.raise_if_dead(what)

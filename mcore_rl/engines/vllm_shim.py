@@ -32,3 +32,13 @@ def sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_sleep_mode_available()
+
+
+def add_streaming_request(llm, request_id: str, prompt_token_ids: list[int], params) -> None:
+    """Add a request to ``llm``'s engine that reports its samples' tokens after every engine
+    step (cumulative), for a caller that steps the engine itself (`LLMEngine.step`)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.CUMULATIVE
+    engine_input = llm._preprocess_cmpl_one({"prompt_token_ids": list(prompt_token_ids)}, None)
+    llm.llm_engine.add_request(request_id, engine_input, params)

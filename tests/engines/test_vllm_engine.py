@@ -200,6 +200,70 @@ def test_a_session_that_never_sent_a_parameter_fails_by_name(engine, dirs, origi
     assert not engine.consistent
 
 
+# ----- request by request (continuous batching) --------------------------------------------
+SAMPLED = SamplingConfig(n=2, temperature=1.0, max_new_tokens=8)
+SEEDS = [3, 4]
+
+
+def _run(engine, requests, steps=None):
+    """Submit ``requests`` and step until all finish (or ``steps`` steps); finished
+    samples by request id, and the batch occupancy seen at each step."""
+    for r in requests:
+        engine.submit(r)
+    done, occupancy = {}, []
+    while len(done) < len(requests) and (steps is None or len(occupancy) < steps):
+        done.update(engine.step())
+        occupancy.append(engine.sequences_in_flight())
+    return done, occupancy
+
+
+def test_requests_submitted_one_by_one_run_in_one_batch_and_give_what_generate_gives(engine):
+    from mcore_rl.engines.base import Request
+
+    expected = engine.generate(PROMPTS, SAMPLED, seeds=SEEDS)
+    done, occupancy = _run(engine, [Request(f"r{i}", p, SAMPLED, seed)
+                                    for i, (p, seed) in enumerate(zip(PROMPTS, SEEDS))])
+    assert max(occupancy) == 4  # both prompts' samples ran together
+    got = done["r0"] + done["r1"]
+    assert [s.token_ids for s in got] == [s.token_ids for s in expected]
+    assert [s.finish_reason for s in got] == [s.finish_reason for s in expected]
+    for a, b in zip(got, expected):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert engine.sequences_in_flight() == 0
+
+
+def test_a_cancelled_request_keeps_its_tokens_and_their_continuation_gives_the_whole_answer(engine):
+    from dataclasses import replace
+
+    from mcore_rl.engines.base import Request
+
+    one = SamplingConfig(n=1, temperature=0.0, max_new_tokens=8)
+    (whole,) = engine.generate(PROMPTS[:1], one)
+    assert len(whole.token_ids) == 8
+    _run(engine, [Request("c", PROMPTS[0], one, None)], steps=3)
+    (partial,) = engine.cancel(["c"])["c"]
+    assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 8
+    assert partial.token_ids == whole.token_ids[:len(partial.token_ids)]
+    rest = Request("c2", PROMPTS[0] + partial.token_ids,
+                   replace(one, max_new_tokens=8 - len(partial.token_ids)), None)
+    done, _ = _run(engine, [rest])
+    assert partial.token_ids + done["c2"][0].token_ids == whole.token_ids
+    assert engine.cancel(["c2", "never-submitted"]) == {}
+
+
+def test_generate_while_requests_run_returns_its_own_answers_and_leaves_theirs_alone(engine):
+    from mcore_rl.engines.base import Request
+
+    expected = engine.generate(PROMPTS, SAMPLED, seeds=SEEDS)
+    done, _ = _run(engine, [Request("bg", PROMPTS[1], SAMPLED, SEEDS[1])], steps=2)
+    assert not done
+    during = engine.generate(PROMPTS, SAMPLED, seeds=SEEDS)
+    assert [s.token_ids for s in during] == [s.token_ids for s in expected]
+    while "bg" not in done:
+        done.update(engine.step())
+    assert [s.token_ids for s in done["bg"]] == [s.token_ids for s in expected[2:]]
+
+
 def test_close_ends_the_engine_processes_and_unlinks_the_shared_memory_they_held(engine):
     """(Last in the module: it closes the module's engine.)"""
     import psutil
@@ -214,3 +278,4 @@ def test_close_ends_the_engine_processes_and_unlinks_the_shared_memory_they_held
                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not [p for p in held if os.path.exists(p)]
     engine.close()  # a second close is a no-op
+
