@@ -60,8 +60,52 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
-def truncated_importance_weight(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+def truncated_importance_weight(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
                                 cap: float) -> torch.Tensor:
-    """min(p_trainer / p_engine, cap) per token: corrects for the trainer/engine mismatch
-    of the behaviour policy (truncated importance sampling), no gradient."""
-    return torch.exp(old_logprobs - engine_logprobs).clamp(max=cap).detach()
+    """w = min(p / p_behav, cap) = min(exp(logprobs - behaviour_logprobs), cap) per token,
+    detached (no gradient flows through the weight)."""
+    return torch.exp(logprobs - behaviour_logprobs).clamp(max=cap).detach()
+
+
+def importance_weight_capped(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                             cap: float) -> torch.Tensor:
+    """1.0 where p / p_behav = exp(logprobs - behaviour_logprobs) > cap (the weight of
+    `truncated_importance_weight` was cut to the cap), else 0.0; no gradient."""
+    ratio = torch.exp((logprobs - behaviour_logprobs).detach())
+    return (ratio > cap).to(ratio.dtype)
+
+
+def decoupled_ppo(per_token_loss: torch.Tensor, diag: dict[str, torch.Tensor],
+                  prox_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO (Hilton et al., 2021, "Batch size-invariance for policy optimization";
+    AReaL): the behaviour correction of a surrogate taken against the proximal policy.
+
+    ``per_token_loss`` is the configured policy loss with ratio r = pi_theta / pi_prox
+    (``old_logprobs`` = ``prox_logprobs``: PPO's clip keeps pi_theta near pi_prox); each
+    token's loss is multiplied by w = min(pi_prox / pi_behav, cap), a constant:
+
+        loss = w * (-min(r A, clip(r, 1-low, 1+high) A)),   w = sg(min(pi_prox / pi_behav, C)).
+
+    Returns (per-token loss, ``diag`` plus ``is_weight`` (w) and ``is_capped`` (1 where
+    pi_prox / pi_behav > C)).
+    """
+    w = truncated_importance_weight(prox_logprobs, behaviour_logprobs, cap)
+    capped = importance_weight_capped(prox_logprobs, behaviour_logprobs, cap)
+    return per_token_loss * w, {**diag, "is_weight": w, "is_capped": capped}
+
+
+def tis_policy_gradient(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                        advantages: torch.Tensor, cap: float
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance sampling against the behaviour policy, no proximal clipping:
+
+        loss = -A * sg(min(pi_theta / pi_behav, C)) * log pi_theta,
+        grad = -A * min(pi_theta / pi_behav, C) * grad log pi_theta   (sg: stop-gradient).
+
+    Returns (per-token loss, diagnostics): ``is_weight`` (the weight), ``is_capped`` and
+    ``clip_fraction`` (both 1 where pi_theta / pi_behav > C).
+    """
+    w = truncated_importance_weight(logprobs.detach(), behaviour_logprobs, cap)
+    capped = importance_weight_capped(logprobs, behaviour_logprobs, cap)
+    return -advantages * w * logprobs, {"clip_fraction": capped, "is_weight": w, "is_capped": capped}

@@ -12,28 +12,50 @@ from typing import Callable
 import torch
 
 from mcore_rl.algos.kl import kl_per_token
-from mcore_rl.algos.losses import (POLICY_LOSSES, aggregate, clipped_value_loss,
-                                   truncated_importance_weight)
+from mcore_rl.algos.losses import (POLICY_LOSSES, aggregate, clipped_value_loss, decoupled_ppo,
+                                   tis_policy_gradient)
 from mcore_rl.config import AlgorithmConfig
 
 
 def actor_loss_fn(cfg: AlgorithmConfig, kl_coef: float) -> Callable:
-    """Policy loss (+ KL-to-reference loss when ``kl_in_reward`` is off, - entropy bonus)."""
+    """Policy loss (+ KL-to-reference loss when ``kl_in_reward`` is off, - entropy bonus).
+
+    ``off_policy_correction`` (``algorithm``): none: the configured policy loss against
+    ``old_logprobs``; decoupled_ppo: that loss (against the proximal policy, ``old_logprobs``)
+    times min(pi_prox / pi_behav, is_cap); tis: the truncated-importance-sampling policy
+    gradient against the behaviour policy in place of the configured loss. Both corrections
+    read the behaviour policy's log-probs from ``rollout_logprobs``.
+    """
     policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
+    correction = cfg.off_policy_correction
 
     def loss_fn(outputs: dict, mb) -> tuple[torch.Tensor, torch.Tensor, dict]:
         mask = mb["response_mask"].float()
         logprobs = outputs["logprobs"]
-        per_token, diag = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"],
-                                      clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
-                                      dual_clip=cfg.dual_clip)
+        if correction != "none" and "rollout_logprobs" not in mb:
+            raise ValueError(
+                f"algorithm.off_policy_correction={correction} needs the behaviour policy's "
+                "log-probs, the batch field 'rollout_logprobs', which this micro-batch lacks; "
+                "use an engine that records them or set algorithm.off_policy_correction=none")
+        if correction == "tis":
+            per_token, diag = tis_policy_gradient(logprobs, mb["rollout_logprobs"],
+                                                  mb["advantages"], cfg.is_cap)
+            diag["ratio"] = torch.exp(logprobs - mb["old_logprobs"]).detach()
+        else:
+            per_token, diag = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"],
+                                          clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
+                                          dual_clip=cfg.dual_clip)
+            if correction == "decoupled_ppo":
+                per_token, diag = decoupled_ppo(per_token, diag, mb["old_logprobs"],
+                                                mb["rollout_logprobs"], cfg.is_cap)
         metrics = {}
         if "rollout_logprobs" in mb:
-            if cfg.tis_cap is not None:
-                per_token = per_token * truncated_importance_weight(
-                    mb["old_logprobs"], mb["rollout_logprobs"], cfg.tis_cap)
             gap = (mb["old_logprobs"] - mb["rollout_logprobs"]).abs()
             metrics["engine_logprob_gap"] = aggregate(gap, mask, cfg.loss_aggregation)[0]
+        if "is_weight" in diag:
+            metrics["is_weight"] = aggregate(diag["is_weight"], mask, cfg.loss_aggregation)[0]
+            metrics["is_capped_fraction"] = aggregate(diag["is_capped"], mask,
+                                                      cfg.loss_aggregation)[0]
         if kl_coef > 0 and not cfg.kl_in_reward:
             kl = kl_per_token(logprobs, mb["ref_logprobs"], cfg.kl_estimator)
             per_token = per_token + kl_coef * kl

@@ -58,40 +58,79 @@ def prompt_items(cfg: RLConfig, start_step: int, position: int) -> Iterator[dict
         yield {"step": step, "prompts": [{"prompt": r.prompt, **r.meta} for r in records]}
 
 
+def group_items(cfg: RLConfig, start_step: int, position: int) -> Iterator[dict]:
+    """The prompts of `prompt_items` one by one: ``{"step", "index", "prompt"}`` (index:
+    the prompt's place in its step), the items of the asynchronous schedule."""
+    for item in prompt_items(cfg, start_step, position):
+        for index, prompt in enumerate(item["prompts"]):
+            yield {"step": item["step"], "index": index, "prompt": prompt}
+
+
 def rl_graph(cfg: RLConfig, model_dir: Path, buffer_size: int = 1, stop=None):
     """The `ControllerGroup` of the RL loop for ``cfg`` (ranks: ``parallel.tp * pp * dp``).
     ``stop``: what the trainer asks at every step boundary (``should_stop(ctx)``, e.g. the
     launcher's `StopSignal` watching a stop file); an agreed stop saves a checkpoint and
-    ends the launch with `StopRequested`."""
+    ends the launch with `StopRequested`. With ``train.schedule: async`` the items are
+    prompt groups: the rollout streams (`ContinuousGenerate`), the reward scores each
+    group, and the trainer merges ``data.prompts_per_step`` of them into a step."""
+    from mcore_rl.api.continuous import ContinuousGenerate
     from mcore_rl.flow import Controller, ControllerGroup, DataStream, Megatron, factory
 
     data = config_to_dict(cfg)
     p = cfg.parallel
-    rollout = DataStream("rollout", buffer_size)
-    scored = DataStream("scored", buffer_size)
+    streaming = cfg.train.schedule == "async"
+    groups = cfg.data.prompts_per_step if streaming else 1
+    rollout = DataStream("rollout", buffer_size * groups)
+    scored = DataStream("scored", buffer_size * groups)
     world = (p.dp or 1) * p.tp * p.pp
+    engines = [f"engine/{i}" for i in range(cfg.rollout.replicas)]
+    role = ContinuousGenerate if streaming else Generate
+    cores = replica_cores(len(engines))
+    rollouts = [Controller("rollout", factory(role, data, str(model_dir), name),
+                           data_output=rollout, streaming=streaming, devices=devices)
+                for name, devices in zip(engines, cores)]
     return ControllerGroup([
-        Controller("rollout", factory(Generate, data, str(model_dir), "engine/0"),
-                   data_output=rollout),
+        *rollouts,
         Controller("reward", factory(Score, data), data_input=rollout, data_output=scored),
-        Controller("trainer", factory(Train, data, str(model_dir), ["engine/0"], False, stop,
+        Controller("trainer", factory(Train, data, str(model_dir), engines, False, stop,
                                       cfg.rollout.placement == "colocated"),
-                   data_input=scored,
+                   data_input=scored, batch_items=groups,
                    strategy=Megatron(tp=p.tp, pp=p.pp, dp=world // (p.tp * p.pp), vpp=p.vpp,
                                      seed=cfg.train.seed, threads_per_rank=p.cpu_threads_per_rank,
                                      backend=p.backend, ep=p.ep, etp=p.etp)),
     ])
 
 
-IN_FLIGHT = {"sync": 1, "one_step_off": 2}
-"""``train.schedule`` -> the launch's ``max_in_flight``: steps between the prompt feed and
-the end of the trainer's step."""
+def replica_cores(replicas: int) -> list[list[int] | None]:
+    """Devices of each engine replica's controller: one replica runs unpinned (its engine
+    places itself, `mcore_rl.engines.placement`); several share this machine's cores out,
+    one core or more each, on CPU (GPU replicas place themselves)."""
+    import os
+
+    import torch
+
+    if replicas == 1 or torch.cuda.is_available():
+        return [None] * replicas
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // replicas)
+    return [cores[(i * per) % len(cores):][:per] or [cores[i % len(cores)]] for i in range(replicas)]
 
 
-def run_rl_graph(cfg: RLConfig, max_in_flight: int | None = None, address: str | None = None,
-                 stop=None):
-    """Run ``cfg``'s RL job as the graph (``max_in_flight``: default by
-    ``train.schedule``); its `FlowStats`."""
+def max_in_flight(cfg: RLConfig) -> int:
+    """The launch's ``max_in_flight`` for ``train.schedule``: items between the prompt feed
+    and the end of the trainer's steps. sync: one step's item; one_step_off: two;
+    async: the prompt groups of ``max_staleness + 1`` steps (the rollout runs at most
+    ``max_staleness`` steps ahead: the staleness bound at admission)."""
+    t = cfg.train
+    if t.schedule == "async":
+        return (t.max_staleness + 1) * cfg.data.prompts_per_step
+    return {"sync": 1, "one_step_off": 2}[t.schedule]
+
+
+def run_rl_graph(cfg: RLConfig, max_in_flight_items: int | None = None,
+                 address: str | None = None, stop=None):
+    """Run ``cfg``'s RL job as the graph (``max_in_flight_items``: default by
+    ``train.schedule``, `max_in_flight`); its `FlowStats`."""
     from mcore_rl.flow import launch
 
     from mcore_rl.rl.setup import initial_model_removed_on_failure
@@ -100,9 +139,10 @@ def run_rl_graph(cfg: RLConfig, max_in_flight: int | None = None, address: str |
         model_dir = model_dir_for(cfg)
         run_cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
         step, position = resume_point(run_cfg)
+        items = group_items if cfg.train.schedule == "async" else prompt_items
         return launch(rl_graph(run_cfg, model_dir, stop=stop),
-                      data=prompt_items(run_cfg, step, position),
-                      max_in_flight=max_in_flight or IN_FLIGHT[cfg.train.schedule],
+                      data=items(run_cfg, step, position),
+                      max_in_flight=max_in_flight_items or max_in_flight(cfg),
                       address=address)
 
 

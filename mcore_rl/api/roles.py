@@ -164,10 +164,18 @@ class Train:
 
         from mcore_rl.rl.staleness import within_staleness
 
+        from mcore_rl.rl.group_batch import assemble_groups, token_staleness
+
         state = self.state
+        arrived = time.perf_counter()
+        rollout_metrics = {}
+        if "group_key" in batch.meta:  # prompt groups that arrived one by one (async)
+            batch, rollout_metrics = assemble_groups(batch)
         state.prompts.position += batch.info.get("prompts", 0)  # what a checkpoint records
         fresh, staleness = within_staleness(batch, state.weight_version,
                                             state.cfg.train.max_staleness)
+        staleness |= token_staleness(fresh if fresh is not None else batch,
+                                     state.weight_version) | rollout_metrics
         self.dropped += staleness["rollout/stale_dropped"]
         if fresh is None:  # nothing young enough to train on: no step
             return {}
@@ -185,6 +193,7 @@ class Train:
         self.dropped = 0.0
         if self.last_end is not None:
             metrics["time/batch_interval"] = time.perf_counter() - self.last_end
+            metrics["time/trainer_idle_s"] = arrived - self.last_end  # waiting for the batch
         try:
             after_step(state, metrics, stop=self.stop)
         except StopRequested as req:

@@ -57,6 +57,7 @@ RANGES: dict[str, Range] = {
     "parallel.cpu_threads_per_rank": COUNT, "parallel.ep": COUNT, "parallel.etp": COUNT,
     "moe.aux_loss_coef": NON_NEGATIVE,
     "rollout.engine_tp": COUNT,
+    "rollout.replicas": COUNT,
     "rollout.n_samples_per_prompt": Range(low=1, fix="the group size of GRPO/RLOO, e.g. 4 or 8"),
     "rollout.max_new_tokens": COUNT,
     "rollout.min_new_tokens": NON_NEGATIVE,
@@ -84,7 +85,8 @@ RANGES: dict[str, Range] = {
     "algorithm.entropy_coef": NON_NEGATIVE,
     "algorithm.ppo_epochs": COUNT,
     "algorithm.mini_batches": COUNT,
-    "algorithm.tis_cap": POSITIVE,
+    "algorithm.is_cap": Range(low=0, low_open=True, fix="the largest importance weight a token "
+                                                        "gets, e.g. 2.0"),
     "optimizer.lr": NON_NEGATIVE,
     "optimizer.critic_lr": NON_NEGATIVE,
     "optimizer.min_lr": NON_NEGATIVE,

@@ -177,6 +177,18 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
         raise ConfigError(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}; the "
                           "decay ends at min_lr: lower it")
     t = cfg.train
+    if t.schedule == "async" and r.placement != "separate":
+        raise ConfigError("train.schedule=async generates while the trainer updates, which "
+                          f"rollout.placement={r.placement} does not allow (the engine sleeps "
+                          "during the update); set rollout.placement=separate")
+    if r.replicas > 1 and t.schedule != "async":
+        raise ConfigError(f"rollout.replicas={r.replicas} spreads prompt groups over engines as "
+                          "they take them, which needs train.schedule=async; set it, or "
+                          "rollout.replicas=1")
+    if t.on_stale == "regenerate" and t.schedule != "async":
+        raise ConfigError(f"train.on_stale=regenerate needs train.schedule=async (the rollout "
+                          f"regenerates groups as it runs); with train.schedule={t.schedule} set "
+                          "train.on_stale=drop")
     if t.schedule == "one_step_off":
         if t.max_staleness < 1:
             raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "

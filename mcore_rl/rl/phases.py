@@ -277,12 +277,21 @@ def sync_weights(state) -> dict[str, float]:
     if r.verify and (state.weight_version - 1) % r.verify_every == 0:
         from mcore_rl.rl.engine_verify import probe_prompts, verify_engine_logprobs
 
-        report = verify_engine_logprobs(
-            state.actor, state.rollout, probe_prompts(state.vocab_size, r.verify_prompts),
-            temperature=state.cfg.rollout.temperature, tolerance=verify_tolerance(state.cfg),
-            max_new_tokens=r.verify_new_tokens, controller=state.ctx.controller,
-            group=state.ctx.world_group)
-        out["sync/verify_max_abs_diff"] = report.max_abs_diff
+        # every replica the sync reached (other ranks hold none: one pass each all the same)
+        engines = list(state.sync.engines) if state.sync.engines else [state.rollout]
+        replicas = state.ctx.broadcast_object(len(engines))
+        diffs = []
+        for i in range(replicas):
+            report = verify_engine_logprobs(
+                state.actor, engines[i] if state.is_controller else None,
+                probe_prompts(state.vocab_size, r.verify_prompts),
+                temperature=state.cfg.rollout.temperature, tolerance=verify_tolerance(state.cfg),
+                max_new_tokens=r.verify_new_tokens, controller=state.ctx.controller,
+                group=state.ctx.world_group)
+            diffs.append(report.max_abs_diff)
+        out["sync/verify_max_abs_diff"] = max(diffs)
+        if replicas > 1:
+            out["sync/verified_replicas"] = float(replicas)
     return out
 
 

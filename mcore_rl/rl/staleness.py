@@ -16,14 +16,16 @@ from mcore_rl.data.batch import Batch
 def within_staleness(batch: Batch, current_version: int, max_staleness: int
                      ) -> tuple[Batch | None, dict[str, float]]:
     """The samples at most ``max_staleness`` versions older than ``current_version`` (None:
-    none left) and the metrics: the staleness seen, and how many samples were dropped."""
+    none left) and the metrics: the staleness of the samples kept (what the update trains
+    on), and how many samples were dropped."""
     versions = torch.tensor(batch.meta["weight_version"], dtype=torch.long)
     staleness = current_version - versions
     groups = batch["group_id"]
     stale_groups = groups[staleness > max_staleness].unique()
     keep = ~torch.isin(groups, stale_groups)
-    metrics = {"rollout/staleness_max": float(staleness.max()),
-               "rollout/staleness_mean": float(staleness.float().mean()),
+    trained = staleness[keep] if bool(keep.any()) else staleness
+    metrics = {"rollout/staleness_max": float(trained.max()),
+               "rollout/staleness_mean": float(trained.float().mean()),
                "rollout/stale_dropped": float((~keep).sum())}
     if bool(keep.all()):
         return batch, metrics

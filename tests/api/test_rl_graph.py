@@ -43,3 +43,23 @@ def test_one_step_off_trains_each_step_on_the_rollout_of_the_weights_before(tmp_
     assert all(h["rollout/staleness_max"] <= 1 and h["rollout/stale_dropped"] == 0 for h in steps)
     # the generation of step k+1 overlapped the update of step k: it used older weights
     assert any(h["rollout/staleness_max"] == 1 for h in steps[1:]), steps
+
+
+def test_the_async_schedule_at_staleness_0_replays_the_golden_run(tmp_path):
+    """train.schedule=async with max_staleness 0 admits one step's prompt groups at a time:
+    the synchronous schedule, step for step, whatever order the groups finish in."""
+    name = "ppo_tp1"
+    size, overrides = RUNS[name]
+    cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", BASE + overrides + [
+        f"logging.dir={tmp_path}", "train.schedule=async", "train.max_staleness=0",
+        "rollout.placement=separate"]), size)
+    stats = run_rl_graph(cfg)
+    prompts = cfg.train.steps * cfg.data.prompts_per_step
+    assert stats.roles["rollout"].items_out == stats.roles["reward"].items_in == prompts
+    assert stats.roles["trainer"].calls == cfg.train.steps
+    history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    expected = json.loads((HERE / f"{name}.json").read_text())
+    problems = _mismatches(expected, comparable(history))
+    assert not problems, "\n".join(problems[:20])
+    assert all(h["rollout/token_staleness_max"] == 0 for h in history if h["step"] > 0)
+

@@ -1,0 +1,34 @@
+"""A rollout engine for tests of the asynchronous schedule: the HF engine, except that the
+replica whose log file names ``engine_1`` holds each request ``STUCK_S`` seconds before it
+runs it (a stuck replica: its steps return nothing meanwhile, so weight syncs still reach
+it), so its groups finish after the trainer has moved on.
+
+    rollout.engine=tests.api.stuck_engine:build rollout.replicas=2
+"""
+from __future__ import annotations
+
+import time
+
+STUCK_S = 2.0
+POLL_S = 0.05
+
+
+def build(cfg, model_dir, **kwargs):
+    from mcore_rl.engines.hf_engine import HFEngine
+
+    stuck = "engine_1" in str(kwargs.get("log_file", ""))
+
+    class StuckHF(HFEngine):
+        def submit(self, request):
+            self.__dict__.setdefault("_since", {})[request.request_id] = time.monotonic()
+            super().submit(request)
+
+        def step(self):
+            queue = self._queued()
+            if stuck and queue and time.monotonic() - self._since[queue[0].request_id] < STUCK_S:
+                time.sleep(POLL_S)
+                return []
+            return super().step()
+
+    return StuckHF(model_dir, tp=cfg.engine_tp, dtype=kwargs.get("dtype", "fp32"),
+                   seed=kwargs.get("seed", 0))

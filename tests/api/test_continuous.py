@@ -1,0 +1,110 @@
+"""`ContinuousGenerate` on a vLLM engine of this process: new weights arriving while
+responses run. Continued responses keep their tokens so far (stamped with the old version)
+and go on exactly as the new weights generate from the prompt plus those tokens (their KV
+cache prefilled again, none of the old weights' cache reused); aborted ones start over under
+the new weights. The oracle is the engine itself, greedy, after the switch."""
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mcore_rl.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+NEW_TOKENS = 40
+SWITCH_AFTER = 28
+"""Engine steps before the new weights arrive: past a full cache block of prompt and
+response (`BLOCK`), which vLLM caches, so a continuation could reuse the old weights' KV."""
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    from mcore_rl.data.toy_task import toy_tokenizer
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.engines import build_rollout_engine
+    from mcore_rl.models.random_init import write_random_model
+    from mcore_rl.rl.setup import write_initial_model
+
+    root = tmp_path_factory.mktemp("continuous")
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
+        f"logging.dir={root}", "rollout.engine=vllm", "rollout.temperature=0",
+        "rollout.n_samples_per_prompt=1", f"rollout.max_new_tokens={NEW_TOKENS}",
+        "rollout.placement=separate", "model.max_position_embeddings=64"])
+    model_dir = write_initial_model(cfg)
+    tok = toy_tokenizer()
+    other = write_random_model(cfg.model, root / "other", tok.vocab_size, tok.bos_id, tok.eos_id,
+                               tok.pad_id, seed=1)
+    engine = build_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, seed=0,
+                                  block_size=BLOCK)
+    yield SimpleNamespace(cfg=cfg, model_dir=model_dir, other=other, engine=engine,
+                          tokenizer=load_tokenizer(model_dir))
+    engine.close()
+
+
+def _rollout(parts, monkeypatch, mode: str):
+    """Four prompt groups through the role, the other weights loaded after `SWITCH_AFTER`
+    engine steps; per group: prompt ids, response ids, their versions; the role's counts."""
+    from mcore_rl.api.continuous import ContinuousGenerate
+    from mcore_rl.api.rl_graph import group_items
+
+    engine = parts.engine
+    engine.load_weights_from_dir(str(parts.model_dir), version=0)  # and an empty prefix cache
+    cfg = replace(parts.cfg, rollout=replace(parts.cfg.rollout, partial_rollout=mode))
+    real_step, steps = engine.step, itertools.count(1)
+
+    def step():
+        finished = real_step()
+        if next(steps) == SWITCH_AFTER:  # a weight sync between two engine steps
+            engine.load_weights_from_dir(str(parts.other), version=1)
+        return finished
+
+    monkeypatch.setattr(engine, "step", step)
+    role = ContinuousGenerate.around(SimpleNamespace(engine=engine, lock=threading.RLock(), cfg=cfg,
+                                                    tokenizer=parts.tokenizer))
+    groups = []
+    counts = {"partial_continued": 0.0, "partial_restarted": 0.0}
+    for batch in role(itertools.islice(group_items(cfg, 0, 0), 4)):
+        ids, mask = batch["input_ids"][0], batch["response_mask"][0].bool()
+        prompt_len = int(mask.nonzero()[0])
+        groups.append((ids[:prompt_len][batch["attention_mask"][0][:prompt_len].bool()].tolist(),
+                       ids[mask].tolist(), batch["token_versions"][0][mask].tolist()))
+        for name in counts:
+            counts[name] += sum(batch.meta[name])
+    monkeypatch.undo()
+    engine.reset_prefix_cache()  # the oracle starts from an empty cache
+    return groups, counts
+
+
+def _greedy(engine, prompt, new_tokens):
+    from mcore_rl.engines import SamplingConfig
+
+    (sample,) = engine.generate([prompt], SamplingConfig(n=1, temperature=0.0, max_new_tokens=new_tokens))
+    return sample.token_ids
+
+
+def test_continued_responses_go_on_as_the_new_weights_generate_after_their_old_tokens(parts, monkeypatch):
+    groups, counts = _rollout(parts, monkeypatch, "continue")
+    assert len(groups) == 4
+    cut = [g for g in groups if 0 in g[2] and 1 in g[2]]
+    assert any(len(p) + g.count(0) >= BLOCK for p, _, g in cut), "no cached block was at stake"
+    assert counts["partial_continued"] == len(cut) and counts["partial_restarted"] == 0
+    for prompt, response, versions in groups:
+        old = versions.count(0)
+        assert versions == [0] * old + [1] * (len(response) - old)
+        if old < len(response):  # the rest: the new weights from the prompt and the old tokens
+            assert response[old:] == _greedy(parts.engine, prompt + response[:old], NEW_TOKENS - old)
+
+
+def test_aborted_responses_start_over_under_the_new_weights(parts, monkeypatch):
+    groups, counts = _rollout(parts, monkeypatch, "abort")
+    restarted = [g for g in groups if set(g[2]) == {1}]
+    assert restarted and counts["partial_restarted"] == len(restarted)
+    assert counts["partial_continued"] == 0
+    for prompt, response, versions in restarted:
+        assert response == _greedy(parts.engine, prompt, NEW_TOKENS)
