@@ -24,7 +24,7 @@ def _history(path: Path) -> list[dict]:
 
 def test_two_vllm_replicas_serve_one_run_and_every_sync_is_verified_on_both(tmp_path):
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [
-        f"logging.dir={tmp_path}", "train.steps=4", "train.max_staleness=1", "rollout.replicas=2",
+        f"logging.dir={tmp_path}", "train.steps=3", "train.max_staleness=1", "rollout.replicas=2",
         "train.warm_start_steps=40", "reshard.verify=true", "reshard.verify_every=1"]), 1)
     stats = run_rl_graph(cfg)
     per_replica = [s.items_out for s in stats.instances if s.role == "rollout"]

@@ -1,9 +1,10 @@
 """After an optimizer step, resharded weights make real vLLM generate what HF generates.
 
 Tiny Llama (untied, vocabulary padded 1003 -> 1024), Qwen2 (QKV bias, tied embeddings) and
-Qwen3 (per-head QK norm, untied), head_dim 32, fp32. Per model, two engine replicas fed by the same sync, vLLM at engine TP1
-and at engine TP2 (started once, from the config only: ``load_format="dummy"``), and per
-trainer layout (TP2, PP2, TP2 x PP2 on 4 ranks for Llama; TP2 x PP2 for the others):
+Qwen3 (per-head QK norm, untied), head_dim 32, fp32. Per model, engine replicas fed by the
+same sync (Llama and Qwen2: vLLM at engine TP1 and at engine TP2; Qwen3: TP2), started once
+from the config only (``load_format="dummy"``), and per trainer layout (TP2, PP2, TP2 x PP2
+on 4 ranks for Llama; TP2 x PP2 for the others):
 
 1. sync the initial weights; greedy tokens equal HF greedy of the initial checkpoint;
 2. one Adam step (large enough to change greedy outputs), sync again;
@@ -29,10 +30,10 @@ LAYOUTS = {"TP2": (2, 1), "PP2": (1, 2), "TP2xPP2": (2, 2)}
 # tensors (QKV bias, tied embeddings across stages, QK norm), which TP2 x PP2 splits both ways.
 LAYOUTS_OF = {"llama-untied": tuple(LAYOUTS), "qwen2-tied": ("TP2xPP2",),
               "qwen3-untied": ("TP2xPP2",)}
-# per model: (engine TP, placement) of its replicas; the TP1 engines cover both placements
-# (Qwen2 last: the tests after the parametrized one use its replicas, already running.)
+# per model: (engine TP, placement) of its replicas; the TP1 engines cover both placements;
+# Qwen3 (one replica at engine TP2) adds only its QK norms (Qwen2 last: the tests after the parametrized one use its replicas, already running.)
 REPLICAS = {"llama-untied": ((1, "separate"), (2, "colocated")),
-            "qwen3-untied": ((1, "colocated"), (2, "colocated")),
+            "qwen3-untied": ((2, "colocated"),),
             "qwen2-tied": ((1, "colocated"), (2, "colocated"))}
 PROMPTS = [list(range(3, 43)), list(range(100, 140))]
 NEW_TOKENS = 6
