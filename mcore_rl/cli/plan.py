@@ -1,6 +1,6 @@
 """`mcore-rl plan --costs FILE --devices 8,64`: what each schedule (sync, one_step_off,
 async at each K) would make of a device budget, simulated on a virtual clock from
-calibrated costs (`mcore_rl.plan`). Prints one table per device count and, with ``--out``,
+per-phase costs (`mcore_rl.plan`). Prints one table per device count and, with ``--out``,
 writes the rows as JSON (to a temporary file, then renamed: never half a file).
 
 The figures are the model's output, as good as the costs it is given.
@@ -97,7 +97,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="simulate each schedule on a device budget (model output, not measurements)",
         description="Simulate sync, one_step_off and async (each K) for each device count, "
-                    "from calibrated costs; print a table, optionally write JSON.")
+                    "from per-phase costs; print a table, optionally write JSON.")
     p.add_argument("--costs", required=True, help=f"costs JSON (CostModel fields), e.g. {EXAMPLE}")
     p.add_argument("--devices", required=True, help="device counts, comma-separated (e.g. 8,64)")
     p.add_argument("--engine-share", default="0.5",

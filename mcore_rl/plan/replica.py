@@ -1,5 +1,5 @@
 """One simulated engine replica: sequences stepped one token per engine step, a step's
-duration set by how many run at once (the calibrated occupancy curve).
+duration set by how many run at once (the occupancy curve of the costs).
 
 Continuous (``async``): groups join the running batch at the next step boundary whenever
 there is room; a group leaves the moment its last sample ends. Static (``sync``,

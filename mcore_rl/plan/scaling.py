@@ -2,7 +2,7 @@
 would make of it (`plan_for_devices`).
 
 Engines: ``engine_share`` of the devices, in replicas of ``costs.devices_per_replica`` each;
-every replica runs at the calibrated speed (engine tokens/s scale with the replicas).
+every replica runs at the speed of the costs (engine tokens/s scale with the replicas).
 Trainer: the rest. Its update tokens/s scale from the ``costs.trainer_devices`` it was
 measured on by ``2 * efficiency`` per doubling: ``rate * (d / d0) ** (1 + log2(efficiency))``
 (efficiency 1: linear; 0.9: each doubling gives 1.8x). Engines and trainer are on separate
@@ -33,7 +33,7 @@ class Split:
     engine_devices: int
     trainer_devices: int
     update_tokens_per_s: float
-    """The trainer's update rate on its devices (scaled from the calibrated one)."""
+    """The trainer's update rate on its devices (scaled from the one in the costs)."""
 
 
 def split_devices(costs: CostModel, devices: int, engine_share: float,

@@ -61,7 +61,7 @@ class Delays:
     update_extra_s: tuple[float, ...] = ()
     """Per trainer step: seconds added to the update."""
     replica_slowdown: tuple[float, ...] = ()
-    """Per replica: a factor on its step times (2: half as fast as calibrated)."""
+    """Per replica: a factor on its step times (2: half as fast as the costs say)."""
 
     def __post_init__(self) -> None:
         _check_each("response_lengths", self.response_lengths, "integers >= 1",
