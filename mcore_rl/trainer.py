@@ -21,12 +21,19 @@ from mcore_rl.rl.step_metrics import rollout_metrics, validation_score
 
 
 def rl_step(state: RunState) -> dict[str, float]:
+    """Generate and score a batch of prompts (with dynamic sampling: rounds of them until the
+    step has its informative groups), then `learn` from it."""
     cfg, timer = state.cfg, PhaseTimer()
-    with timer("generate"):
-        batch = phases.generate(state, state.prompts.take(cfg.data.prompts_per_step))
-    with timer("score"):
-        batch = phases.score(state, batch)
-    return learn(state, batch, timer)
+    batch, rounds = None, 0
+    while batch is None:
+        with timer("generate"):
+            scored = phases.generate(state, state.prompts.take(cfg.data.prompts_per_step),
+                                     round=rounds)
+        with timer("score"):
+            scored = phases.score(state, scored)
+        batch, dynamic = (scored, {}) if state.dynamic is None else state.dynamic.offer(scored)
+        rounds += 1
+    return learn(state, batch, timer) | dynamic
 
 
 def learn(state: RunState, batch, timer: "PhaseTimer") -> dict[str, float]:

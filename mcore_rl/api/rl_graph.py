@@ -48,12 +48,16 @@ def resume_point(cfg: RLConfig) -> tuple[int, int]:
 
 def prompt_items(cfg: RLConfig, start_step: int, position: int) -> Iterator[dict]:
     """One item per step to go: ``{"step", "prompts"}``, from the config's prompt source in
-    the order ``mcore-rl train`` takes them."""
+    the order ``mcore-rl train`` takes them. With ``algorithm.dynamic_sampling`` a step may
+    take ``dynamic_sampling_max_rounds`` more items: there are that many more per step
+    (``step`` then numbers items, seeding their sampling), and the trainer ends the launch
+    once it has taken its last step."""
     from mcore_rl.data.prompts import PromptStream, load_prompt_records
 
     stream = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
     stream.position = position
-    for step in range(start_step + 1, cfg.train.steps + 1):
+    rounds = 1 + (cfg.algorithm.dynamic_sampling_max_rounds if cfg.algorithm.dynamic_sampling else 0)
+    for step in range(start_step + 1, start_step + (cfg.train.steps - start_step) * rounds + 1):
         records = stream.take(cfg.data.prompts_per_step)
         yield {"step": step, "prompts": [{"prompt": r.prompt, **r.meta} for r in records]}
 

@@ -172,6 +172,12 @@ class Train:
         if "group_key" in batch.meta:  # prompt groups that arrived one by one (async)
             batch, rollout_metrics = assemble_groups(batch)
         state.prompts.position += batch.info.get("prompts", 0)  # what a checkpoint records
+        batch = phases.with_scores(state, phases.mark_truncated(state.cfg, batch), batch["scores"])
+        dynamic = {}
+        if state.dynamic is not None:  # pool informative groups until a step has enough
+            batch, dynamic = state.dynamic.offer(batch)
+            if batch is None:
+                return {}
         fresh, staleness = within_staleness(batch, state.weight_version,
                                             state.cfg.train.max_staleness)
         staleness |= token_staleness(fresh if fresh is not None else batch,
@@ -180,14 +186,14 @@ class Train:
         if fresh is None:  # nothing young enough to train on: no step
             return {}
         state.step += 1
-        batch = phases.with_scores(state, phases.mark_truncated(state.cfg, fresh), fresh["scores"])
+        batch = fresh
         generated_with = min(batch.meta["weight_version"])
         timer = PhaseTimer()
         for phase in ("generate", "score"):  # timed where they ran
             if f"time/{phase}" in batch.info:
                 timer.seconds[phase] = batch.info[f"time/{phase}"]
         metrics = learn(state, batch, timer)
-        metrics |= staleness | {"rollout/stale_dropped": self.dropped,
+        metrics |= dynamic | staleness | {"rollout/stale_dropped": self.dropped,
                                 "rollout/weight_version": float(generated_with),
                                 "weight_version": float(state.weight_version)}
         self.dropped = 0.0
@@ -200,6 +206,10 @@ class Train:
             self.stop.acknowledge(state.ctx, req.step)
             raise
         self.last_end = time.perf_counter()
+        if state.dynamic is not None and state.step >= state.cfg.train.steps and state.is_controller:
+            from mcore_rl.flow import finish_launch
+
+            finish_launch()  # the feed holds spare rounds for dynamic sampling: stop it here
         return metrics
 
     def close(self) -> None:

@@ -85,6 +85,9 @@ RANGES: dict[str, Range] = {
     "algorithm.entropy_coef": NON_NEGATIVE,
     "algorithm.ppo_epochs": COUNT,
     "algorithm.mini_batches": COUNT,
+    "algorithm.dynamic_sampling_max_rounds": Range(low=0, fix="0: no extra round, the step "
+                                                              "trains on the informative groups "
+                                                              "of its own"),
     "algorithm.is_cap": Range(low=0, low_open=True, fix="the largest importance weight a token "
                                                         "gets, e.g. 2.0"),
     "optimizer.lr": NON_NEGATIVE,

@@ -233,6 +233,15 @@ class AlgorithmConfig:
     is_cap: float = 2.0
     """Cap of the importance weights of `off_policy_correction` (a weight above it is cut to
     it); unused with none."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: prompt groups whose rewards are all equal (no group-relative
+    signal) are left out, and more prompts are generated until the step has
+    ``data.prompts_per_step`` groups that differ (``rollout/dynamic_filtered_frac``: the
+    share left out). Needs a group estimator (grpo, rloo) and
+    ``rollout.n_samples_per_prompt >= 2``."""
+    dynamic_sampling_max_rounds: int = 3
+    """Extra generation rounds a step may take to fill its batch; at the limit it trains on
+    the informative groups it has and ``rollout/dynamic_short_groups`` counts those missing."""
 
 
 @dataclass

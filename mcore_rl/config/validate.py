@@ -189,6 +189,16 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
         raise ConfigError(f"train.on_stale=regenerate needs train.schedule=async (the rollout "
                           f"regenerates groups as it runs); with train.schedule={t.schedule} set "
                           "train.on_stale=drop")
+    a = cfg.algorithm
+    if a.dynamic_sampling and cfg.train.job == "rl":
+        if a.advantage_estimator not in GROUP_ESTIMATORS:
+            raise ConfigError(f"algorithm.dynamic_sampling filters prompt groups with equal rewards, "
+                              f"which only group estimators need; algorithm.advantage_estimator="
+                              f"{a.advantage_estimator}: use {' or '.join(GROUP_ESTIMATORS)}, or set "
+                              "algorithm.dynamic_sampling=false")
+        if r.n_samples_per_prompt < 2:
+            raise ConfigError("algorithm.dynamic_sampling compares the samples of a prompt, but "
+                              "rollout.n_samples_per_prompt=1; set it to 2 or more")
     if t.schedule == "one_step_off":
         if t.max_staleness < 1:
             raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "
@@ -203,6 +213,8 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
 
 
 FINETUNE_JOB_NAMES = ("sft", "rm", "dpo", "kto", "online_dpo")
+GROUP_ESTIMATORS = ("grpo", "rloo")
+"""Advantage estimators that compare the samples of a prompt group."""
 
 
 def validate_finetune(cfg: RLConfig, shape: ModelShape, dp: int) -> None:

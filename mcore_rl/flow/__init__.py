@@ -25,9 +25,9 @@ the launch with a `FlowError` naming the role and instance, and kills every proc
 from mcore_rl.flow.graph import Controller, ControllerGroup, DataStream, Factory, factory
 from mcore_rl.flow.launch import FlowError, launch
 from mcore_rl.flow.megatron import Megatron, rank_context
-from mcore_rl.flow.services import Remote, lookup, publish
+from mcore_rl.flow.services import Remote, finish_launch, lookup, publish
 from mcore_rl.flow.stats import ControllerStats, FlowStats
 from mcore_rl.flow.strategies import STRATEGIES
 
 __all__ = ["DataStream", "Controller", "ControllerGroup", "Factory", "factory", "launch",
-           "FlowError", "FlowStats", "ControllerStats", "STRATEGIES", "Megatron", "rank_context", "publish", "lookup", "Remote"]
+           "FlowError", "FlowStats", "ControllerStats", "STRATEGIES", "Megatron", "rank_context", "publish", "lookup", "finish_launch", "Remote"]

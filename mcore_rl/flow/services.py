@@ -73,6 +73,14 @@ def lookup(name: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> "Remote":
         delay = min(delay * 2, 0.5)
 
 
+def finish_launch() -> None:
+    """End the launch from inside a controller once its work is done (e.g. a trainer that
+    took its last step while the data still holds items): every stream is cancelled, each
+    controller finishes the call it is in and closes, and the launch returns its stats."""
+    ray = ray_shim.require()
+    ray.get(_require_hub().cancel.remote())
+
+
 def serve(name: str, attr: str, args: tuple | None, kwargs: dict | None) -> Any:
     """In the publishing process: ``obj.attr(*args, **kwargs)``, or with ``args`` None the
     attribute itself (a method comes back as the marker `METHOD`)."""

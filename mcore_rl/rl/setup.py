@@ -16,6 +16,7 @@ from mcore_rl.metrics_log import MetricsLog
 from mcore_rl.parallel import ParallelContext
 from mcore_rl.rewards import REWARDS
 from mcore_rl.rewards.registry import RewardFn
+from mcore_rl.rl.dynamic_sampling import InformativeGroups
 from mcore_rl.train.run_checkpoints import RunCheckpoints
 
 if TYPE_CHECKING:  # heavy (Megatron, engines); built lazily in `build_run`
@@ -55,6 +56,8 @@ class RunState:
     """The latest step's rollout batch (for sample logs)."""
     owns_rollout: bool = True
     """The run started ``rollout`` (and closes it); False for an engine another process owns."""
+    dynamic: InformativeGroups | None = None
+    """Dynamic sampling's pool of informative prompt groups (``algorithm.dynamic_sampling``)."""
 
     @property
     def is_controller(self) -> bool:
@@ -218,4 +221,5 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None) 
                     prompts=PromptStream(train_records, cfg.data.seed), val_records=val_records,
                     reward_fn=reward_fn, kl=KLController(algo.kl_coef, algo.adaptive_kl_target),
                     log=log, checkpoints=RunCheckpoints.for_config(cfg),
-                    vocab_size=vocab, owns_rollout=engines is None)
+                    vocab_size=vocab, owns_rollout=engines is None,
+                    dynamic=InformativeGroups.for_config(cfg))

@@ -137,3 +137,15 @@ def test_verify_every_below_one_is_rejected():
 def test_min_new_tokens_outside_zero_to_max_is_rejected(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check(overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.advantage_estimator=gae"], r"dynamic_sampling filters prompt groups .*"
+                                            r"advantage_estimator=gae: use grpo or rloo"),
+    (["rollout.n_samples_per_prompt=1"], r"n_samples_per_prompt=1; set it to 2 or more"),
+    (["algorithm.dynamic_sampling_max_rounds=-1"], r"dynamic_sampling_max_rounds must be >= 0, got -1"),
+])
+def test_dynamic_sampling_needs_groups_to_compare(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check(["algorithm.dynamic_sampling=true"] + overrides)
+    check(["algorithm.dynamic_sampling=true"])  # the defaults are fine
