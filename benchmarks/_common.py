@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from mcore_rl.atomic_write import write_json_atomic
+
 
 def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
     """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs (seconds)."""
@@ -66,13 +68,10 @@ def machine_info() -> dict:
 
 
 def write_json(path: str | Path, data: dict) -> Path:
-    """Write ``data`` atomically (temporary file, then rename)."""
+    """Write ``data`` atomically (temporary file, then rename), creating its directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, data, indent=2)
 
 
 def median_of(steps: list[dict], key: str) -> float:

@@ -8,9 +8,9 @@ The figures are the model's output, as good as the costs it is given.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from mcore_rl.atomic_write import write_json_atomic
 from mcore_rl.errors import UsageError
 
 EXAMPLE = "configs/plan/costs_example.json"
@@ -51,17 +51,6 @@ def check_out(path: str | None) -> None:
         raise UsageError(f"--out {path}: directory {out.parent} does not exist; create it first")
 
 
-def write_json(path: str, data: dict) -> None:
-    """``data`` to ``path`` through a temporary file beside it, renamed at the end."""
-    out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def run(args) -> int:
     from mcore_rl.plan.scaling import format_table, plan_for_devices, split_devices
 
@@ -84,7 +73,7 @@ def run(args) -> int:
         rows += [{"devices": count, **row} for row in found]
     print("\n\n".join(tables))
     if args.out:
-        write_json(args.out, {"costs": costs.to_dict(), "devices": devices,
+        write_json_atomic(args.out, {"costs": costs.to_dict(), "devices": devices,
                               "engine_share": shares, "k": ks, "steps": args.steps,
                               "seed": args.seed, "efficiency": args.efficiency,
                               "on_stale": args.on_stale, "partial": args.partial,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from mcore_rl.atomic_write import write_text_atomic
 from mcore_rl.errors import NonFiniteError, UsageError
 from mcore_rl.parallel.agreement import all_gather, raise_if_any
 from mcore_rl.sizes import format_bytes, free_bytes
@@ -65,12 +66,6 @@ class Resume:
 
     path: Path | None
     skipped: list[str]
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class RunCheckpoints:
@@ -161,8 +156,8 @@ class RunCheckpoints:
                     "stays; free space or point checkpoint.dir elsewhere") from None
             raise
         if dist.get_rank() == 0:
-            _atomic_write(path / "run_state.json", json.dumps({"step": step, **run_state}))
-            _atomic_write(self.root / "latest", path.name)
+            write_text_atomic(path / "run_state.json", json.dumps({"step": step, **run_state}))
+            write_text_atomic(self.root / "latest", path.name)
             self._prune(keep=path.name)
         dist.barrier()
         return path
