@@ -32,3 +32,28 @@ def build(cfg, model_dir, **kwargs):
 
     return StuckHF(model_dir, tp=cfg.engine_tp, dtype=kwargs.get("dtype", "fp32"),
                    seed=kwargs.get("seed", 0))
+
+
+DIE_AFTER_STEPS = 3
+
+
+def build_dying(cfg, model_dir, **kwargs):
+    """The HF engine, except that replica ``engine_1`` kills its own process (SIGKILL, as
+    the OS would) at its ``DIE_AFTER_STEPS``-th step that has work: a replica lost mid-run."""
+    import os
+    import signal
+
+    from mcore_rl.engines.hf_engine import HFEngine
+
+    dying = "engine_1" in str(kwargs.get("log_file", ""))
+
+    class DyingHF(HFEngine):
+        def step(self):
+            if dying and self._queued():
+                self.__dict__["_busy_steps"] = self.__dict__.get("_busy_steps", 0) + 1
+                if self._busy_steps >= DIE_AFTER_STEPS:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return super().step()
+
+    return DyingHF(model_dir, tp=cfg.engine_tp, dtype=kwargs.get("dtype", "fp32"),
+                   seed=kwargs.get("seed", 0))

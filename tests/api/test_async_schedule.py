@@ -1,7 +1,8 @@
 """`train.schedule: async` on real controllers: two vLLM replicas on disjoint cores both
 serve one run and every weight sync reaches (and is verified on) both; the staleness bound
 holds for every trained token, no prompt group is trained twice; a stuck replica's groups
-arrive too old and are dropped, or regenerated, and counted either way."""
+arrive too old and are dropped, or regenerated, and counted either way; a replica killed
+mid-run ends the run with an error that names it, and nothing waits on it."""
 from __future__ import annotations
 
 import json
@@ -56,3 +57,21 @@ def test_a_stuck_replicas_groups_are_dropped_or_regenerated_and_counted(tmp_path
         assert dropped > 0 and regenerated == 0, (dropped, regenerated)
     else:
         assert regenerated > 0, (dropped, regenerated)
+
+
+def test_a_replica_killed_mid_run_ends_the_run_with_an_error_naming_it(tmp_path):
+    import time
+
+    from mcore_rl.flow import FlowError
+
+    cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [
+        f"logging.dir={tmp_path}", "train.steps=6", "train.max_staleness=1", "rollout.replicas=2",
+        "train.warm_start_steps=0", "rollout.engine=tests.api.stuck_engine:build_dying",
+        "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4"]), 1)
+    start = time.monotonic()
+    with pytest.raises(FlowError) as err:
+        run_rl_graph(cfg)
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("controller 'rollout' #1 failed while running: its process died"), first
+    assert (err.value.role, err.value.index) == ("rollout", 1)
+    assert time.monotonic() - start < 120  # nothing waited on the dead replica
