@@ -7,8 +7,8 @@ import math
 import time
 from pathlib import Path
 
-CONSOLE_KEYS = ("reward/mean", "val/score", "actor/kl", "actor/entropy", "actor/clip_fraction",
-                "critic/loss", "response/length", "perf/tokens_per_s")
+CONSOLE_KEYS = ("reward/mean", "val/score", "val/rm_score", "actor/kl", "actor/entropy",
+                "actor/clip_fraction", "critic/loss", "response/length", "perf/tokens_per_s")
 
 
 class MetricsLog:

@@ -17,7 +17,7 @@ from mcore_rl.errors import StopRequested
 from mcore_rl.parallel import ParallelContext
 from mcore_rl.rl import phases
 from mcore_rl.rl.setup import RunState, build_run, initial_model_removed_on_failure
-from mcore_rl.rl.step_metrics import rollout_metrics, validation_score
+from mcore_rl.rl.step_metrics import rollout_metrics, validation_metrics
 
 
 def rl_step(state: RunState) -> dict[str, float]:
@@ -84,7 +84,7 @@ def after_step(state: RunState, metrics: dict[str, float], stop) -> None:
     """What follows a step's update: validation, logs, samples, checkpoint, stop check."""
     cfg = state.cfg
     if state.validates and (state.step % cfg.train.val_every == 0 or state.step == cfg.train.steps):
-        metrics["val/score"] = validation_score(state)
+        metrics |= validation_metrics(state)
     state.log.log(state.step, metrics, console=state.step % cfg.logging.log_every == 0)
     if cfg.logging.samples_every and state.step % cfg.logging.samples_every == 0:
         state.log.samples(state.step, sample_rows(state.last_batch))
@@ -129,7 +129,7 @@ def resume_or_warm_start(state: RunState) -> None:
             print(f"mcore-rl: warm start {len(losses)} steps, loss {losses[0]:.3f} -> "
                   f"{losses[-1]:.3f}", flush=True)
     if state.validates:
-        state.log.log(0, {"val/score": validation_score(state)}, console=True)
+        state.log.log(0, validation_metrics(state), console=True)
 
 
 def save_checkpoint(state: RunState, checkpoints=None):
@@ -147,7 +147,8 @@ def sample_rows(batch, limit: int = 8) -> list[dict]:
 
 
 def finish(state: RunState) -> None:
-    """Summary line, reward-curve PNG, the engine closed (unless another process owns it)."""
+    """Summary line, reward-curve PNG, the engine closed (unless another process owns it),
+    the reward scorer's worker processes stopped."""
     from mcore_rl.metrics_log import plot_reward_curve
 
     if state.is_controller:
@@ -162,6 +163,7 @@ def finish(state: RunState) -> None:
                   f"{state.log.dir / 'metrics.jsonl'}; plot {plot}", flush=True)
         if state.owns_rollout:
             state.rollout.close()
+    state.reward.close()
 
 
 class PhaseTimer:

@@ -81,6 +81,10 @@ class ContinuousGenerate:
         self.version_seen = self.engine.weight_version
         self.counts = {"stale_regenerated": 0.0, "partial_continued": 0.0,
                        "partial_restarted": 0.0, "engine_idle_s": 0.0}
+        self.waiting: list[tuple[_Group, int | None]] = []
+        """Submissions held while the engine sleeps (colocated: the trainer updates)."""
+        self.sleeping = False
+        self.engine.before_sleep = self._park
 
     def __call__(self, items: Iterator[dict]) -> Iterator[Batch]:
         arrived: queue.Queue = queue.Queue()
@@ -88,9 +92,9 @@ class ContinuousGenerate:
                                   name="rollout-reader")
         reader.start()
         ended = False
-        while not (ended and not self.groups):
-            ended = self._admit(arrived, block=not self.groups) or ended
-            if self.groups:
+        while not (ended and not self.groups and not self.waiting):
+            ended = self._admit(arrived, block=not self.groups and not self.waiting) or ended
+            if self.groups or self.waiting:
                 yield from self._step()
         reader.join(timeout=1.0)
 
@@ -151,6 +155,10 @@ class ContinuousGenerate:
             sampling = replace(sampling, n=1, max_new_tokens=sampling.max_new_tokens - done)
             seed = group.seed + 7919 * (sample + 1) + self.counter  # a stream of its own
         with self.lock:
+            if self.sleeping or self.engine.asleep:
+                self.counter -= 1
+                self.waiting.append((group, sample))  # submitted once the engine wakes
+                return
             if self.engine.weight_version != self.version_seen:
                 self._new_weights(self.engine.weight_version)  # the running ones first
             group.pending[rid] = sample
@@ -161,10 +169,20 @@ class ContinuousGenerate:
     # ----- stepping -------------------------------------------------------------------
     def _step(self) -> Iterator[Batch]:
         with self.lock:
-            if self.engine.weight_version != self.version_seen:
-                self._new_weights(self.engine.weight_version)
-            finished = self.engine.step()
-            in_flight = self.engine.sequences_in_flight()
+            asleep = self.engine.asleep
+            if not asleep:
+                if self.engine.weight_version != self.version_seen:
+                    self._new_weights(self.engine.weight_version)
+                if self.sleeping or self.waiting:  # awake again: what waited goes in
+                    self.sleeping, waiting, self.waiting = False, self.waiting, []
+                    for group, sample in waiting:
+                        self._submit(group, sample)
+                finished = self.engine.step()
+                in_flight = self.engine.sequences_in_flight()
+        if asleep:  # colocated: the trainer has the devices until it wakes the engine
+            time.sleep(IDLE_WAIT_S)
+            self.counts["engine_idle_s"] += IDLE_WAIT_S
+            return
         for group in {id(g): g for g in self.groups.values()}.values():
             group.occupancy.append(in_flight)
         for rid, samples in finished:
@@ -200,19 +218,34 @@ class ContinuousGenerate:
         the new ones (continue: its KV cache dropped, its tokens so far prefilled again) or
         starts over (abort); finished ones are kept."""
         self.version_seen = version
+        self._resubmit(self._cancel_running())
+
+    def _park(self) -> None:
+        """Before the engine sleeps (colocated: under the lock of the trainer's sleep call):
+        the running requests stop and wait, as after new weights, until it wakes."""
+        self.sleeping = True
+        self._resubmit(self._cancel_running())
+
+    def _cancel_running(self) -> list[tuple[_Group, int]]:
+        """Stop every request in the engine; the (group, sample) slots left unfinished."""
         if not self.groups or not self.engine.continuous:
-            return
+            return []
+        slots = []
         for rid, samples in self.engine.cancel(list(self.groups)).items():
             group = self._finished(rid, samples)
-            unfinished = [j for j, s in enumerate(group.samples)
-                          if s is not None and s.finish_reason == "abort"]
-            for j in unfinished:
-                if self.cfg.rollout.partial_rollout == "abort":
-                    group.samples[j] = None
-                    self.counts["partial_restarted"] += 1
-                else:
-                    self.counts["partial_continued"] += 1
-                self._submit(group, j)
+            slots += [(group, j) for j, s in enumerate(group.samples)
+                      if s is not None and s.finish_reason == "abort"]
+        return slots
+
+    def _resubmit(self, slots: list[tuple[_Group, int]]) -> None:
+        """Each unfinished sample continues (its tokens so far as prompt) or starts over."""
+        for group, j in slots:
+            if self.cfg.rollout.partial_rollout == "abort":
+                group.samples[j] = None
+                self.counts["partial_restarted"] += 1
+            else:
+                self.counts["partial_continued"] += 1
+            self._submit(group, j)
 
     def _complete(self, group: _Group) -> Batch | None:
         """The group's rollout batch; None when it is generated again for being too old."""

@@ -16,9 +16,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
+from mcore_rl.api.reward_model_role import reward_controller
 from mcore_rl.api.roles import Generate, Score, Train
 from mcore_rl.config import RLConfig
 from mcore_rl.config.loader import config_to_dict
+from mcore_rl.rewards.reward_model import REWARD_MODEL
 
 
 def model_dir_for(cfg: RLConfig) -> Path:
@@ -95,6 +97,7 @@ def rl_graph(cfg: RLConfig, model_dir: Path, buffer_size: int = 1, stop=None):
                 for name, devices in zip(engines, cores)]
     return ControllerGroup([
         *rollouts,
+        reward_controller(cfg, data, rollout, scored) if cfg.reward.name == REWARD_MODEL else
         Controller("reward", factory(Score, data), data_input=rollout, data_output=scored),
         Controller("trainer", factory(Train, data, str(model_dir), engines, False, stop,
                                       cfg.rollout.placement == "colocated"),

@@ -66,8 +66,14 @@ class RLTrainer:
             raise UsageError(f"RLTrainer runs train.job {', '.join(JOBS)}, not {self.job!r}; "
                              f"run it with mcore-rl train")
         if self.job == "rl":
+            from mcore_rl.rewards.reward_model import REWARD_MODEL
             from mcore_rl.rl.setup import check_job
 
+            if config.reward.name == REWARD_MODEL:
+                raise UsageError("RLTrainer does not start the worker group that "
+                                 "reward.name=reward_model scores with: give update() rollouts "
+                                 "with their 'reward' (validate() scores with reward.name: set "
+                                 "a rule-based one), or run the config with mcore-rl train")
             check_job(config)
         else:
             from mcore_rl.finetune.check import check_finetune_job

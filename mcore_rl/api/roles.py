@@ -25,12 +25,17 @@ from typing import Any, Sequence
 from mcore_rl.api.worker import prompt_records
 from mcore_rl.config import RLConfig
 from mcore_rl.data.batch import Batch
+from mcore_rl.rewards.reward_model import REWARD_MODEL
 
 
 def _config(cfg_data: dict) -> RLConfig:
     from mcore_rl.config.loader import _build
 
     return _build(RLConfig, cfg_data, "")
+
+
+ASLEEP_POLL_S = 0.02
+"""How often a rollout role looks whether the trainer has woken its (colocated) engine."""
 
 
 class Generate:
@@ -42,6 +47,7 @@ class Generate:
         from mcore_rl.data.tokenizer import load_tokenizer
         from mcore_rl.engines import build_rollout_engine
         from mcore_rl.flow import publish
+        from mcore_rl.rl import phases
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.cfg = _config(cfg_data)
@@ -49,7 +55,8 @@ class Generate:
         log_dir = Path(self.cfg.logging.dir)
         self.engine = build_rollout_engine(
             self.cfg.rollout, model_dir, dtype=self.cfg.model.dtype, seed=self.cfg.train.seed,
-            log_file=log_dir / f"{name.replace('/', '_')}.log")
+            log_file=log_dir / f"{name.replace('/', '_')}.log",
+            max_model_len=phases.context_length(self.cfg))
         self.lock = publish(name, self.engine)
         self.calls = 0
 
@@ -64,8 +71,13 @@ class Generate:
         records = prompt_records(prompts)
         encoded = phases.encode_prompts(self.tokenizer, self.cfg, records)
         t = time.perf_counter()
-        with self.lock:  # a weight update waits for this generation, and the other way round
-            batch = phases.sample_batch(self.engine, self.tokenizer, self.cfg, encoded, step=step)
+        while True:
+            with self.lock:  # a weight update waits for this generation, and the other way round
+                if not self.engine.asleep:
+                    batch = phases.sample_batch(self.engine, self.tokenizer, self.cfg, encoded,
+                                                step=step)
+                    break
+            time.sleep(ASLEEP_POLL_S)  # colocated: the trainer has the devices until it wakes it
         batch.meta["producer"] = [os.getpid()] * len(batch)
         batch.info["prompts"] = len(records)
         batch.info["time/generate"] = time.perf_counter() - t
@@ -77,24 +89,27 @@ class Generate:
 
 class Score:
     """A reward role: a rollout `Batch` -> the same batch with ``scores`` (the config's
-    reward function, one per response)."""
+    rewards, one per response, by a `RewardScorer` that lives as long as the role) and
+    the scorer's metrics (``reward/*``) in ``info``, beside ``time/score``."""
 
     def __init__(self, cfg_data: dict):
-        from mcore_rl.rewards import REWARDS
+        from mcore_rl.rewards import RewardScorer
 
         self.cfg = _config(cfg_data)
-        self.reward_fn = REWARDS.get(self.cfg.reward.name)
+        self.scorer = RewardScorer.from_config(self.cfg.reward)
 
     def __call__(self, batch: Batch) -> Batch:
-        from mcore_rl.rewards import score_all
+        from mcore_rl.rl.phases import score_rollouts
 
         t = time.perf_counter()
-        prompts = [m["prompt"] for m in batch.meta["prompt_meta"]]
-        scores = score_all(self.reward_fn, prompts, batch.meta["response_text"],
-                           batch.meta["prompt_meta"])
+        scores, metrics = score_rollouts(self.scorer, batch)
         batch = batch.with_tensors(scores=scores)
+        batch.info.update(metrics)
         batch.info["time/score"] = time.perf_counter() - t
         return batch
+
+    def close(self) -> None:
+        self.scorer.close()
 
 
 def report_placement(ctx) -> None:
@@ -148,7 +163,14 @@ class Train:
         ctx = rank_context()
         report_placement(ctx)
         remote = [lookup(name) for name in engines] if ctx.is_controller else []
-        self.state = build_run(cfg, ctx, engines=remote)
+        reward = val_metrics = None
+        if cfg.reward.name == REWARD_MODEL:  # the reward controller's model scores rollouts
+            from mcore_rl.api.reward_model_role import trainer_rewards
+
+            reward, client = trainer_rewards(cfg, ctx.is_controller)
+            val_metrics = client.validation_metrics
+        self.state = build_run(cfg, ctx, engines=remote, reward=reward)
+        self.state.val_metrics = val_metrics
         resume_or_warm_start(self.state)
         if initial_sync and self.state.weight_version == 0:
             phases.sync_weights(self.state)

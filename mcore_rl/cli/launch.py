@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mcore_rl.config import load_config, validate_config
 from mcore_rl.errors import UsageError
+from mcore_rl.rewards.reward_model import ON_RANK_LOOP, REWARD_MODEL
 
 
 def build_request(args):
@@ -39,6 +40,8 @@ def build_request(args):
         raise UsageError("give exactly one of --gpus-per-node G (GPU nodes, one rank per GPU) or "
                          "--procs-per-node P (CPU nodes)")
     cfg = load_config(args.config, args.overrides)
+    if cfg.train.job == "rl" and cfg.reward.name == REWARD_MODEL:
+        raise UsageError(ON_RANK_LOOP)
     launch = cfg.launch
     nodes = launch.nodes if args.nodes is None else args.nodes
     per_node = args.gpus_per_node if args.gpus_per_node is not None else args.procs_per_node

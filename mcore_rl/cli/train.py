@@ -8,6 +8,7 @@ from __future__ import annotations
 from mcore_rl.config import load_config, validate_config
 from mcore_rl.config.loader import config_to_dict
 from mcore_rl.errors import UsageError
+from mcore_rl.rewards.reward_model import ON_RANK_LOOP, REWARD_MODEL
 
 
 def run(args) -> int:
@@ -18,6 +19,8 @@ def run(args) -> int:
                          "to start, or leave it out for tp*pp*dp of the config")
     cfg = load_config(args.config, args.overrides)
     launched = launcher_world_size()
+    if launched is not None and cfg.train.job == "rl" and cfg.reward.name == REWARD_MODEL:
+        raise UsageError(ON_RANK_LOOP)
     if launched is not None and args.nproc not in (None, launched):
         raise UsageError(f"--nproc {args.nproc} conflicts with the launcher's world size {launched}; "
                          "drop --nproc under torchrun/SLURM")

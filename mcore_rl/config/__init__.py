@@ -1,6 +1,6 @@
 """Typed configuration: dataclass sections, YAML loading, overrides, validation."""
 from mcore_rl.config.loader import dump_yaml, load_config
-from mcore_rl.config.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, FinetuneConfig,
+from mcore_rl.config.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, EnvironmentConfig, FinetuneConfig,
                                       LaunchConfig, LoggingConfig, MoEConfig, ModelConfig,
                                       OptimizerConfig, ParallelConfig, RewardConfig, RLConfig,
                                       RolloutConfig, TrainConfig)
@@ -8,7 +8,7 @@ from mcore_rl.config.validate import validate_config, validate_layout
 
 __all__ = [
     "RLConfig", "ModelConfig", "ParallelConfig", "RolloutConfig", "AlgorithmConfig",
-    "OptimizerConfig", "DataConfig", "RewardConfig", "CheckpointConfig", "LoggingConfig",
+    "OptimizerConfig", "DataConfig", "RewardConfig", "EnvironmentConfig", "CheckpointConfig", "LoggingConfig",
     "LaunchConfig", "TrainConfig", "MoEConfig", "FinetuneConfig", "load_config", "dump_yaml",
     "validate_config",
     "validate_layout",

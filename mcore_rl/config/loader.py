@@ -28,6 +28,9 @@ def _type_name(tp: Any) -> str:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is dict:
+        key, value = typing.get_args(tp)
+        return f"a mapping of {_type_name(key)} to {_type_name(value)}"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -46,6 +49,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             except ConfigError:
                 pass
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is dict:
+        return _coerce_mapping(value, tp, where)
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -72,6 +77,23 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _coerce_mapping(value: Any, tp: Any, where: str) -> dict:
+    """A ``dict[K, V]`` field: each key and value checked as K and V, errors naming the key."""
+    key_type, value_type = typing.get_args(tp)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected {_type_name(tp)} (key: value lines in YAML), "
+                          f"got {value!r} ({type(value).__name__})")
+    out = {}
+    for key, item in value.items():
+        name = coerce(key, key_type, f"{where} key {key!r}")
+        entry = f"{where}.{name}"
+        if isinstance(item, dict) and typing.get_origin(value_type) is not dict:
+            raise ConfigError(f"{entry}: expected {_type_name(value_type)}, got a mapping {item!r} "
+                              "(an override splits keys at dots: a key with dots goes in the YAML file)")
+        out[name] = coerce(item, value_type, entry)
+    return out
 
 
 def _hints(cls) -> dict[str, Any]:

@@ -85,6 +85,8 @@ RANGES: dict[str, Range] = {
     "algorithm.entropy_coef": NON_NEGATIVE,
     "algorithm.ppo_epochs": COUNT,
     "algorithm.mini_batches": COUNT,
+    "environment.max_turns": COUNT,
+    "environment.max_response_tokens": COUNT,
     "algorithm.dynamic_sampling_max_rounds": Range(low=0, fix="0: no extra round, the step "
                                                               "trains on the informative groups "
                                                               "of its own"),
@@ -102,6 +104,12 @@ RANGES: dict[str, Range] = {
     "optimizer.micro_batch_tokens": COUNT,
     "data.prompts_per_step": COUNT,
     "data.num_val": Range(low=0, fix="0 means no validation"),
+    "reward.workers": Range(low=0, fix="0 scores in the scoring process itself"),
+    "reward.rm_tp": COUNT, "reward.rm_pp": COUNT, "reward.rm_dp": COUNT,
+    "reward.async_slots": COUNT,
+    "reward.timeout_s": Range(low=0, fix="0 turns the limit off"),
+    "reward.code_time_limit_s": POSITIVE,
+    "reward.code_memory_mb": Range(low=16, fix="the program's address space, e.g. 512"),
     "checkpoint.save_every": Range(low=0, fix="0 saves only at the end"),
     "checkpoint.keep_last": COUNT,
     "logging.log_every": COUNT,
@@ -129,7 +137,8 @@ RANGES: dict[str, Range] = {
 }
 
 
-UNBOUNDED = ("data.seed", "train.seed", "reward.truncation_penalty")
+UNBOUNDED = ("data.seed", "train.seed", "reward.truncation_penalty", "reward.failure_score",
+             "reward.weights")
 """Numeric fields any (finite) value of which is meaningful."""
 
 
@@ -147,7 +156,7 @@ def fields_of(cfg, prefix: str = ""):
 
 def check_ranges(cfg) -> None:
     """Every float finite and every field of `RANGES` in its range; `ConfigError` otherwise."""
-    for name, value, _ in fields_of(cfg):
+    for name, value, _ in _with_mapping_entries(fields_of(cfg)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if isinstance(value, float) and not math.isfinite(value):
@@ -158,6 +167,15 @@ def check_ranges(cfg) -> None:
             hint = f" ({rng.fix})" if rng.fix else ""
             raise ConfigError(f"{name} must be {rng.describe()}, got {value:g}; set {name} to a "
                               f"value {rng.describe()}{hint}")
+
+
+def _with_mapping_entries(fields):
+    """The fields, with a mapping field's entries as fields of their own (``a.b.key``)."""
+    for name, value, tp in fields:
+        if isinstance(value, dict):
+            yield from ((f"{name}.{key}", v, tp) for key, v in value.items())
+        else:
+            yield name, value, tp
 
 
 def _range_hint(name: str) -> str:

@@ -308,12 +308,69 @@ class RewardConfig:
     """How responses are scored."""
 
     name: str = "builtin"
-    """Registered reward (exact, alias builtin; math; reasoning_gym) or module:function.
-    reward_model (a trained reward model) is reserved and refused until it is implemented."""
+    """Registered reward (exact, alias builtin; math; reasoning_gym; code: sandboxed tests
+    of a Python program, `mcore_rl.rewards.code_execution`) or module:function;
+    reward_model: a trained reward model's score, computed by a worker group of its own
+    (``mcore-rl train`` without a launcher, or ``mcore-rl launch slurm CONFIG --ray``)."""
     reward_model_path: str = ""
-    """Checkpoint of the reward model (name=reward_model, reserved)."""
+    """The reward model (name=reward_model): an HF ``*ForSequenceClassification`` directory
+    (converted on load), an mcore-rl checkpoint with a score head, or a ``train.job: rm``
+    run (its logging.dir, checkpoint directory or one step directory)."""
+    rm_tp: int = 1
+    """Tensor parallelism of the reward model's worker group (name=reward_model)."""
+    rm_pp: int = 1
+    """Pipeline parallelism of the reward model's worker group (name=reward_model)."""
+    rm_dp: int = 1
+    """Data parallelism of the reward model's worker group (name=reward_model): it has
+    rm_tp * rm_pp * rm_dp ranks."""
+    val_reward: str = ""
+    """With name=reward_model: the reward of the greedy validation responses logged as
+    ``val/score`` (registered or module:function, e.g. exact on the built-in task); empty:
+    ``val/score`` is the reward model's mean score. ``val/rm_score`` (the reward model's
+    mean score) is logged either way."""
     truncation_penalty: float = 0.0
     """Reward given to responses cut at the length limit (truncated_response=penalize)."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Several rewards combined: name (registered, or module:function) -> weight; a
+    response's score is the weighted sum, and each reward's mean is logged as
+    ``reward/<name>/mean``. Empty: ``name`` alone, weight 1 (``name`` is unused otherwise).
+    Override one as ``reward.weights.math=0.5`` (a module:function name with dots: in YAML)."""
+    workers: int = 0
+    """Processes that run synchronous reward functions in parallel, one sample (or one chunk
+    of a batched function's batch) at a time each; started with the first scored batch and
+    reused until the run ends. 0: in the scoring process, one call after another."""
+    async_slots: int = 8
+    """Samples an ``async def`` reward function scores at once (event loop of the scoring
+    process)."""
+    timeout_s: float = 0.0
+    """Time limit per sample (a batched call: per sample of its chunk) for async functions
+    and functions run by ``workers``; past it the sample scores ``failure_score`` and counts
+    in ``reward/timeouts``. A synchronous function with ``workers: 0`` is not interrupted.
+    0: no limit."""
+    failure_score: float = 0.0
+    """Score of a sample that timed out, whose worker process died (``reward/worker_deaths``)
+    or whose function reported a failure (`RewardFailure`, e.g. a program that crashed under
+    the ``code`` reward: ``reward/failures``)."""
+    code_time_limit_s: float = 5.0
+    """``code`` reward: wall-clock limit of one run of the program (one per stdin/stdout
+    test, one for all the code tests); past it the sample counts as timed out."""
+    code_memory_mb: int = 512
+    """``code`` reward: address-space limit of the program, in MiB (beyond it allocations
+    fail: a program that dies of it is a failure)."""
+
+
+@dataclass
+class EnvironmentConfig:
+    """Multi-turn rollouts: engine turns alternate with an environment's (`mcore_rl.envs`)."""
+
+    name: str = ""
+    """Registered environment (calculator) or module:Class; empty: single-turn responses.
+    Each response's score is the reward function's plus the environment's rewards (use
+    ``reward.name: env`` to score by the environment alone)."""
+    max_turns: int = 4
+    """Engine turns per response at most (``rollout.max_new_tokens`` bounds each turn)."""
+    max_response_tokens: int = 64
+    """Tokens after the prompt at most, turns and observations together."""
 
 
 @dataclass
@@ -454,7 +511,8 @@ class TrainConfig:
     """How generation and training overlap (the RL graph of ``mcore-rl train``): sync: the
     next step's rollout starts once the update and weight sync of this one are done;
     one_step_off: the rollout of step k+1 is generated while step k trains, with the
-    weights of step k-1 (needs ``max_staleness >= 1`` and ``rollout.placement: separate``);
+    weights of step k-1 (needs ``max_staleness >= 1``; colocated, the engine and the
+    trainer take turns: the rollout waits while the engine sleeps for the update);
     async: the engine generates continuously, prompt group by prompt group (new prompts
     enter its running batch as others finish, up to ``max_staleness`` steps ahead of the
     trainer), and the trainer takes a step as soon as ``data.prompts_per_step`` groups are
@@ -493,6 +551,8 @@ class RLConfig:
     """Prompt data."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Rewards."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn rollouts (none by default)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -167,6 +167,22 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
         validate_finetune(cfg, shape, dp)
     generates = (cfg.train.job not in FINETUNE_JOB_NAMES or cfg.train.job == "online_dpo"
                  or cfg.finetune.val_score)
+    env = cfg.environment
+    if env.name and cfg.train.job == "rl":
+        if env.max_response_tokens < r.max_new_tokens:
+            raise ConfigError(f"environment.max_response_tokens={env.max_response_tokens} is below "
+                              f"rollout.max_new_tokens={r.max_new_tokens}, the length of one turn; "
+                              "raise it (it bounds all turns and observations together)")
+        if r.max_prompt_tokens + env.max_response_tokens > shape.max_position_embeddings:
+            raise ConfigError(
+                f"rollout.max_prompt_tokens + environment.max_response_tokens = {r.max_prompt_tokens}"
+                f" + {env.max_response_tokens} exceeds the model's {shape.max_position_embeddings} "
+                "positions (max_position_embeddings); lower one of them")
+        if cfg.train.schedule == "async":
+            raise ConfigError(f"environment.name={env.name}: multi-turn rollouts run turn by turn "
+                              "over a batch, which train.schedule=async (prompt groups streamed "
+                              "through one engine) does not do yet; use train.schedule=sync or "
+                              "one_step_off")
     if generates and r.max_prompt_tokens + r.max_new_tokens > shape.max_position_embeddings:
         raise ConfigError(
             f"rollout.max_prompt_tokens + rollout.max_new_tokens = {r.max_prompt_tokens} + "
@@ -177,10 +193,10 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
         raise ConfigError(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}; the "
                           "decay ends at min_lr: lower it")
     t = cfg.train
-    if t.schedule == "async" and r.placement != "separate":
-        raise ConfigError("train.schedule=async generates while the trainer updates, which "
-                          f"rollout.placement={r.placement} does not allow (the engine sleeps "
-                          "during the update); set rollout.placement=separate")
+    if r.replicas > 1 and r.placement != "separate":
+        raise ConfigError(f"rollout.replicas={r.replicas} runs each engine on cores of its own, "
+                          f"which rollout.placement={r.placement} (one engine taking turns with "
+                          "the trainer) does not; set rollout.placement=separate")
     if r.replicas > 1 and t.schedule != "async":
         raise ConfigError(f"rollout.replicas={r.replicas} spreads prompt groups over engines as "
                           "they take them, which needs train.schedule=async; set it, or "
@@ -204,10 +220,6 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
             raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "
                               f"old, but train.max_staleness={t.max_staleness} allows none; set "
                               "train.max_staleness=1 (or more)")
-        if r.placement != "separate":
-            raise ConfigError("train.schedule=one_step_off generates while the trainer updates, "
-                              f"which rollout.placement={r.placement} does not allow (the engine "
-                              "sleeps during the update); set rollout.placement=separate")
     validate_paths(cfg)
     return cfg
 

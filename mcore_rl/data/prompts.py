@@ -133,6 +133,14 @@ def builtin_source(cfg: DataConfig, split: str) -> list[PromptRecord]:
     return toy_records(split, cfg.num_val, cfg.seed)
 
 
+@PROMPT_SOURCES.register("calculator")
+def calculator_source(cfg: DataConfig, split: str) -> list[PromptRecord]:
+    """Two-step arithmetic for the calculator environment (``environment.name: calculator``)."""
+    from mcore_rl.data.calculator_task import calculator_records
+
+    return calculator_records(split, cfg.num_val, cfg.seed)
+
+
 def load_prompt_records(cfg: DataConfig, split: str) -> list[PromptRecord]:
     """Train or validation records of the configured source (``data.source``); no
     validation records at ``data.num_val=0``."""

@@ -18,7 +18,12 @@ from mcore_rl.data.tokenizer import CharTokenizer
 ALPHABET = "0123456789+="
 
 
-def toy_tokenizer() -> CharTokenizer:
+def toy_tokenizer(source: str = "builtin") -> CharTokenizer:
+    """The character tokenizer of a built-in task (``data.source``: builtin or calculator)."""
+    if source == "calculator":
+        from mcore_rl.data.calculator_task import calculator_tokenizer
+
+        return calculator_tokenizer()
     return CharTokenizer(ALPHABET)
 
 

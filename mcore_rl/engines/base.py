@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -78,6 +78,13 @@ class RolloutSample:
     token_versions: list[int] | None = None
     """The weight version of each response token, where a sample continued under newer
     weights than it started with (a partial rollout); None: all ``weight_version``."""
+    observation_mask: list[int] | None = None
+    """Multi-turn episodes (`mcore_rl.envs`): 1 for each token of ``token_ids`` that the
+    environment returned (masked out of the loss; its log-prob is 0), 0 for the engine's."""
+    env_reward: float | None = None
+    """Multi-turn episodes: the sum of the environment's rewards."""
+    turns: int = 1
+    """Engine turns of the response."""
 
 
 @dataclass
@@ -116,6 +123,15 @@ class Rollouts:
             versions[i, p:p + len(s.token_ids)] = torch.tensor(token_versions, dtype=torch.long)
         batch = batch.with_tensors(rollout_logprobs=logprobs, group_id=group,
                                    token_versions=versions)
+        if any(s.observation_mask is not None for s in self.samples):
+            # observations inside a response: holes in its mask; the environment's rewards
+            mask = batch["response_mask"].clone()
+            for i, (s, p) in enumerate(zip(self.samples, prompt_lens)):
+                if s.observation_mask:
+                    mask[i, p:p + len(s.token_ids)] *= 1 - torch.tensor(s.observation_mask)
+            batch = batch.with_tensors(response_mask=mask)
+            batch.meta["env_reward"] = [s.env_reward or 0.0 for s in self.samples]
+            batch.meta["turns"] = [s.turns for s in self.samples]
         if self.samples and self.samples[0].routes is not None:
             # as `mcore_rl.train.routing_replay` keeps them: experts + 1, 0 where none ran
             first = self.samples[0].routes
@@ -148,6 +164,10 @@ class RolloutEngine(ABC):
         self._torn: str | None = None
         self._asleep: set[str] = set()
         """What `sleep` released and no wake has restored yet: "weights", "kv_cache"."""
+        self.before_sleep: Callable[[], None] | None = None
+        """Called at the start of `sleep` (in the engine's process): e.g. a role that streams
+        requests through `submit`/`step` stops them there, so that nothing runs on a KV
+        cache that sleep frees."""
         self._reader = BucketReader()  # the bucket file, for engines that read it in-process
 
     # ----- generation -----------------------------------------------------------------
@@ -157,9 +177,7 @@ class RolloutEngine(ABC):
         seeds derived from ``sampling.seed``."""
         if self._torn:
             raise WeightSyncError(self._torn)
-        if self._asleep:
-            raise RuntimeError(f"the {self.name} engine is asleep ({', '.join(sorted(self._asleep))}): "
-                               "call wake() (or wake_weights() then wake_kv_cache()) before generate()")
+        self._check_awake("generate()")
         prompts = [list(map(int, p)) for p in prompt_token_ids]
         if seeds is None:
             seeds = [sampling.request_seed(i) for i in range(len(prompts))]
@@ -270,6 +288,8 @@ class RolloutEngine(ABC):
         """Give the devices to the trainer: free the KV cache and offload the weights where
         supported (`supports_sleep`); elsewhere only fence. Generation is refused until both
         are awake again, a weight sync until the weights are."""
+        if self.before_sleep is not None:
+            self.before_sleep()
         if self.supports_sleep:
             self._release_memory()
         self._asleep = {"weights", "kv_cache"}
@@ -294,6 +314,12 @@ class RolloutEngine(ABC):
     @property
     def asleep(self) -> bool:
         return bool(self._asleep)
+
+    def _check_awake(self, what: str) -> None:
+        """Engines call it before they run the model (generation, a streaming step)."""
+        if self._asleep:
+            raise RuntimeError(f"the {self.name} engine is asleep ({', '.join(sorted(self._asleep))}): "
+                               f"call wake() (or wake_weights() then wake_kv_cache()) before {what}")
 
     def _check_weights_awake(self) -> None:
         """Engines call it when a weight-update session begins."""

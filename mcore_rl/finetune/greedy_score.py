@@ -23,7 +23,8 @@ class ScoreState:
     rollout: object
     """The rollout engine (controller rank only)."""
     sync: object
-    reward_fn: object
+    reward: object
+    """The `RewardScorer` (closed by `close`)."""
     val_records: list
     vocab_size: int
     step: int = 0
@@ -47,7 +48,7 @@ def build_score_state(cfg: RLConfig, ctx: ParallelContext, model_dir: Path, toke
     from mcore_rl.data.prompts import load_prompt_records
     from mcore_rl.engines import build_rollout_engine
     from mcore_rl.reshard.stream import WeightSync
-    from mcore_rl.rewards import REWARDS
+    from mcore_rl.rewards import RewardScorer
 
     rollout = None
     if ctx.is_controller:
@@ -57,7 +58,7 @@ def build_score_state(cfg: RLConfig, ctx: ParallelContext, model_dir: Path, toke
                                   engines=[rollout] if rollout else None,
                                   controller=ctx.controller, group=ctx.world_group)
     return ScoreState(cfg=cfg, ctx=ctx, tokenizer=tokenizer, actor=model, rollout=rollout, sync=sync,
-                      reward_fn=REWARDS.get(cfg.reward.name),
+                      reward=RewardScorer.from_config(cfg.reward),
                       val_records=load_prompt_records(cfg.data, "val"), vocab_size=arch.vocab_size)
 
 
@@ -74,5 +75,7 @@ def greedy_score(state: ScoreState, step: int) -> dict[str, float]:
 
 
 def close(state: ScoreState | None) -> None:
+    if state is not None:
+        state.reward.close()
     if state is not None and state.rollout is not None:
         state.rollout.close()

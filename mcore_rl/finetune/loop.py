@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from mcore_rl.config import RLConfig
 from mcore_rl.errors import NonFiniteError, StopRequested
@@ -96,9 +97,12 @@ def _validation_due(run: FinetuneRun) -> bool:
 
 
 def save(run: FinetuneRun):
+    """A checkpoint of the run; its state names the model the run started from (what a
+    reward model trained here is read with: ``reward.reward_model_path``)."""
     return run.checkpoints.save(run.step, run.engines(), {
         "data_position": run.examples.position, "losses": run.losses,
-        "prompt_position": run.prompts.position if run.prompts is not None else 0})
+        "prompt_position": run.prompts.position if run.prompts is not None else 0,
+        "model_dir": str(Path(run.model_dir).resolve())})
 
 
 def resume_or_start(run: FinetuneRun) -> None:

@@ -45,3 +45,10 @@ def math_reward(prompt: str, response: str, meta: dict) -> float:
 def exact_reward(prompt: str, response: str, meta: dict) -> float:
     """1.0 when the stripped response equals ``meta["answer"]`` exactly."""
     return 1.0 if response.strip() == str(meta["answer"]).strip() else 0.0
+
+
+@REWARDS.register("env", aliases=("none",))
+def no_reward(prompt: str, response: str, meta: dict) -> float:
+    """0 for every response: with an environment (``environment.name``) the score is the sum
+    of its rewards alone."""
+    return 0.0

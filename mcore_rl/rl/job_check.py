@@ -18,6 +18,7 @@ from mcore_rl.rewards import REWARDS
 
 def named_variants(cfg: RLConfig) -> list[tuple[str, str, Registry]]:
     """(config field, the name it holds, the registry it names an entry of)."""
+    from mcore_rl.envs import ENVIRONMENTS
     from mcore_rl.reshard.transports import TRANSPORTS
 
     transport = [] if cfg.reshard.transport == "auto" else [
@@ -25,9 +26,11 @@ def named_variants(cfg: RLConfig) -> list[tuple[str, str, Registry]]:
     return transport + [
         ("rollout.engine", cfg.rollout.engine, ENGINES),
         ("data.source", cfg.data.source, PROMPT_SOURCES),
-        ("reward.name", cfg.reward.name, REWARDS),
+        *([("reward.name", cfg.reward.name, REWARDS)] if not cfg.reward.weights else
+          [(f"reward.weights.{name}", name, REWARDS) for name in cfg.reward.weights]),
         ("algorithm.advantage_estimator", cfg.algorithm.advantage_estimator, ADVANTAGE_ESTIMATORS),
         ("algorithm.policy_loss", cfg.algorithm.policy_loss, POLICY_LOSSES),
+        *([("environment.name", cfg.environment.name, ENVIRONMENTS)] if cfg.environment.name else []),
     ]
 
 

@@ -19,7 +19,6 @@ from mcore_rl.algos.objective import actor_loss_fn, critic_loss_fn
 from mcore_rl.data.batch import Batch
 from mcore_rl.engines import sampling_from_config
 from mcore_rl.errors import NonFiniteError
-from mcore_rl.rewards import score_all
 
 
 def request_seed(seed: int, step: int, prompt: int, round: int = 0) -> int:
@@ -62,12 +61,39 @@ def sample_batch(engine, tokenizer, cfg, encoded, *, step: int, greedy: bool = F
     if not greedy and cfg.moe.routing_replay == "rollout":
         sampling = replace(sampling, return_routes=True)  # the update replays the engine's experts
     seeds = [request_seed(cfg.train.seed, step, i, round) for i in range(len(prompt_ids))]
-    rollouts = engine.generate(prompt_ids, sampling, seeds=seeds)
+    if cfg.environment.name:
+        rollouts = episodes(engine, tokenizer, cfg, prompt_ids, metas, sampling, seeds, step, round)
+    else:
+        rollouts = engine.generate(prompt_ids, sampling, seeds=seeds)
     batch = rollouts.to_batch(pad_id=tokenizer.pad_id)
     batch.meta["prompt_meta"] = [metas[s.prompt_index] for s in rollouts.samples]
     batch.meta["response_text"] = [tokenizer.decode(s.token_ids) for s in rollouts.samples]
     batch.info["filtered_prompts"] = filtered
     return batch
+
+
+def context_length(cfg) -> int:
+    """Tokens of prompt and response the engine must hold: the prompt and one response, or,
+    in multi-turn episodes, all of an episode's turns and observations."""
+    r = cfg.rollout
+    return r.max_prompt_tokens + (cfg.environment.max_response_tokens if cfg.environment.name
+                                  else r.max_new_tokens)
+
+
+def episodes(engine, tokenizer, cfg, prompt_ids, metas, sampling, seeds, step: int, round: int):
+    """Multi-turn rollouts with ``environment.name`` (`mcore_rl.envs.episodes`): a turn also
+    ends on the environment's stop tokens; later turns are seeded by (step, prompt, sample,
+    turn)."""
+    from mcore_rl.envs import ENVIRONMENTS
+    from mcore_rl.envs.episodes import run_episodes
+
+    env_cls, env = ENVIRONMENTS.get(cfg.environment.name), cfg.environment
+    stops = tuple(env_cls(tokenizer).stop_token_ids())
+    sampling = replace(sampling, stop_token_ids=(*sampling.stop_token_ids, *stops))
+    return run_episodes(
+        engine, prompt_ids, metas, sampling, lambda: env_cls(tokenizer), eos_id=tokenizer.eos_id,
+        max_turns=env.max_turns, max_response_tokens=env.max_response_tokens, seeds=seeds,
+        turn_seed=lambda p, s, t: request_seed(cfg.train.seed, step, f"{p}.{s}.{t}", round))
 
 
 def mark_truncated(cfg, batch: Batch) -> Batch:
@@ -95,25 +121,42 @@ def generate(state, records, *, greedy: bool = False, n: int | None = None,
 
 
 def score(state, batch: Batch) -> Batch:
-    """Rewards on the controller, shared; the score sits on the last response token."""
-    scores = None
+    """Rewards on the controller (``state.reward``, a `RewardScorer`), shared with their
+    metrics (``reward/*`` in ``batch.info``); the score sits on the last response token."""
+    scored = None
     if state.is_controller:
-        prompts = [m["prompt"] for m in batch.meta["prompt_meta"]]
-        scores = score_all(state.reward_fn, prompts, batch.meta["response_text"],
-                           batch.meta["prompt_meta"])
-    return with_scores(state, batch, state.ctx.broadcast_object(scores))
+        scored = score_rollouts(state.reward, batch)
+    scores, metrics = state.ctx.broadcast_object(scored)
+    batch = with_scores(state, batch, scores)
+    batch.info.update(metrics)
+    return batch
+
+
+def score_rollouts(scorer, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """A `RewardScorer`'s scores of the batch's responses and its metrics; in multi-turn
+    episodes plus the environment's rewards (``reward/environment_mean``)."""
+    prompts = [m["prompt"] for m in batch.meta["prompt_meta"]]
+    scores, metrics = scorer.score(prompts, batch.meta["response_text"], batch.meta["prompt_meta"])
+    if "env_reward" in batch.meta:
+        env = torch.tensor(batch.meta["env_reward"], dtype=scores.dtype)
+        scores = scores + env
+        metrics = {**metrics, "reward/environment_mean": float(env.mean())}
+    return scores, metrics
 
 
 def with_scores(state, batch: Batch, scores: torch.Tensor) -> Batch:
     """One score per sample (the same on every rank) as ``scores`` and as the reward on
-    its last response token; ``rollout.truncated_response=penalize`` replaces the scores
+    its last response token (the engine's, not an observation's);
+    ``rollout.truncated_response=penalize`` replaces the scores
     of truncated responses."""
     if state.cfg.rollout.truncated_response == "penalize":
         scores = torch.where(batch["truncated"], torch.tensor(state.cfg.reward.truncation_penalty),
                              scores)
     rewards = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-    last = (batch.seq_lens - 1).clamp(min=0)
-    has_response = batch["response_mask"].sum(-1) > 0
+    mask = batch["response_mask"]
+    # the last token of the response's own (an observation may follow it in an episode)
+    last = (mask * torch.arange(mask.shape[1])).argmax(-1)
+    has_response = mask.sum(-1) > 0
     rows = torch.arange(len(batch))[has_response]
     rewards[rows, last[has_response]] = scores[has_response]
     return batch.with_tensors(scores=scores, token_rewards=rewards)

@@ -6,7 +6,7 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from mcore_rl.algos import KLController, needs_critic
 from mcore_rl.config import RLConfig
@@ -14,8 +14,8 @@ from mcore_rl.data.prompts import PromptRecord, PromptStream, load_prompt_record
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.metrics_log import MetricsLog
 from mcore_rl.parallel import ParallelContext
-from mcore_rl.rewards import REWARDS
-from mcore_rl.rewards.registry import RewardFn
+from mcore_rl.rewards import RewardScorer
+from mcore_rl.rewards.reward_model import REWARD_MODEL, check_reward_model
 from mcore_rl.rl.dynamic_sampling import InformativeGroups
 from mcore_rl.train.run_checkpoints import RunCheckpoints
 
@@ -45,7 +45,8 @@ class RunState:
     """Streams the actor's weights into the rollout engine (every rank)."""
     prompts: PromptStream
     val_records: list[PromptRecord]
-    reward_fn: RewardFn
+    reward: RewardScorer
+    """Scores responses (on the controller; its worker processes start with the first batch)."""
     kl: KLController
     log: MetricsLog
     checkpoints: RunCheckpoints
@@ -58,6 +59,9 @@ class RunState:
     """The run started ``rollout`` (and closes it); False for an engine another process owns."""
     dynamic: InformativeGroups | None = None
     """Dynamic sampling's pool of informative prompt groups (``algorithm.dynamic_sampling``)."""
+    val_metrics: Callable[[Batch], dict[str, float]] | None = None
+    """More metrics of the greedy validation responses, computed on the controller rank
+    (e.g. ``val/rm_score``, the score of a reward model that runs elsewhere)."""
 
     @property
     def is_controller(self) -> bool:
@@ -101,7 +105,7 @@ def write_initial_model(cfg: RLConfig) -> Path:
 
     out = initial_model_path(cfg)
     if not (out / "config.json").exists():
-        tok = toy_tokenizer()
+        tok = toy_tokenizer(cfg.data.source)
         tmp = out.with_name(out.name + ".tmp")
         write_random_model(cfg.model, tmp, tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id,
                            seed=cfg.train.seed)
@@ -139,6 +143,10 @@ def check_job(cfg: RLConfig) -> None:
     from mcore_rl.rl.job_check import check_engine_capabilities, check_registered_names
 
     check_registered_names(cfg)
+    if cfg.reward.name == REWARD_MODEL:  # scored by a worker group of its own
+        check_reward_model(cfg)
+    else:
+        RewardScorer.from_config(cfg.reward)  # a reward that cannot run here refuses (starts nothing)
     check_engine_capabilities(cfg, model_shape(cfg).num_experts, torch.cuda.is_available())
     load_prompt_records(cfg.data, "train")
     load_prompt_records(cfg.data, "val")
@@ -161,11 +169,15 @@ def trained_parts(cfg: RLConfig) -> list[str]:
     return ["actor"] + (["critic"] if needs_critic(cfg.algorithm.advantage_estimator) else [])
 
 
-def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None) -> RunState:
+def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None,
+              reward: RewardScorer | None = None) -> RunState:
     """Everything a run holds, built collectively by the trainer ranks. ``engines``: rollout
     engines that run elsewhere (e.g. proxies of other controllers' engines, from
     `mcore_rl.flow.lookup`), given on the controller rank: the weight sync streams into all
-    of them and the run starts no engine of its own; ``rollout`` is the first."""
+    of them and the run starts no engine of its own; ``rollout`` is the first. ``reward``:
+    what scores responses, as a `RewardScorer` does (default: the one of ``cfg.reward``)."""
+    from mcore_rl.rl import phases
+
     from mcore_rl.engines import build_rollout_engine
     from mcore_rl.engines.stale_shm import remove_stale_shared_memory
     from mcore_rl.sizes import format_bytes
@@ -177,7 +189,8 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None) 
 
     algo = cfg.algorithm
     check_registered_names(cfg)  # unknown names fail before any work
-    reward_fn = REWARDS.get(cfg.reward.name)
+    if reward is None:
+        reward = RewardScorer.from_config(cfg.reward)  # a reward that cannot run refuses here
     model_dir = prepare_model_dir(cfg, ctx)
     tokenizer = load_tokenizer(model_dir)
     m = cfg.model
@@ -206,7 +219,8 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None) 
             print(f"mcore-rl: removed {removed} shared-memory file(s) ({format_bytes(freed)}) that "
                   "killed engine processes left in /dev/shm", flush=True)
         rollout = build_rollout_engine(cfg.rollout, model_dir, dtype=m.dtype, seed=cfg.train.seed,
-                                       log_file=Path(cfg.logging.dir) / "engine.log")
+                                       log_file=Path(cfg.logging.dir) / "engine.log",
+                                       max_model_len=phases.context_length(cfg))
     sync = WeightSync.from_config([getattr(c, "module", c) for c in actor.model],
                                   actor_model.spec.arch, cfg.reshard,
                                   engines=(engines if engines is not None else [rollout])
@@ -219,7 +233,7 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None) 
     return RunState(cfg=cfg, ctx=ctx, model_dir=model_dir, tokenizer=tokenizer, actor=actor,
                     reference=reference, critic=critic, rollout=rollout, sync=sync,
                     prompts=PromptStream(train_records, cfg.data.seed), val_records=val_records,
-                    reward_fn=reward_fn, kl=KLController(algo.kl_coef, algo.adaptive_kl_target),
+                    reward=reward, kl=KLController(algo.kl_coef, algo.adaptive_kl_target),
                     log=log, checkpoints=RunCheckpoints.for_config(cfg),
                     vocab_size=vocab, owns_rollout=engines is None,
                     dynamic=InformativeGroups.for_config(cfg))

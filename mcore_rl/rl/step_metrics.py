@@ -17,6 +17,9 @@ def rollout_metrics(state, batch) -> dict[str, float]:
         "data/filtered_prompts": float(batch.info.get("filtered_prompts", 0)),
         "algo/kl_coef": state.kl.coef,
     }
+    if "turns" in batch.meta:  # multi-turn episodes
+        out["response/turns"] = sum(batch.meta["turns"]) / len(batch)
+    out |= {k: float(v) for k, v in batch.info.items() if k.startswith("reward/")}  # RewardScorer's
     if "ref_logprobs" in batch:
         kl = kl_per_token(batch.policy_logprobs, batch["ref_logprobs"], state.cfg.algorithm.kl_estimator)
         out["actor/kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).item()
@@ -24,10 +27,19 @@ def rollout_metrics(state, batch) -> dict[str, float]:
 
 
 @torch.no_grad()
-def validation_score(state) -> float:
-    """Mean reward of greedy responses to the validation prompts."""
+def validation_metrics(state) -> dict[str, float]:
+    """``val/score``: the mean reward of greedy responses to the validation prompts; and
+    ``state.val_metrics`` of the same responses, if any (e.g. ``val/rm_score``)."""
     from mcore_rl.rl import phases
 
     batch = phases.generate(state, state.val_records, greedy=True)
-    batch = phases.score(state, batch)
-    return batch["scores"].mean().item()
+    metrics = {"val/score": phases.score(state, batch)["scores"].mean().item()}
+    if state.val_metrics is not None:
+        more = state.val_metrics(batch) if state.is_controller else None
+        metrics |= state.ctx.broadcast_object(more)
+    return metrics
+
+
+def validation_score(state) -> float:
+    """Mean reward of greedy responses to the validation prompts."""
+    return validation_metrics(state)["val/score"]

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from mcore_rl.data.batch import Batch
-from mcore_rl.errors import NonFiniteError
+from mcore_rl.errors import NonFiniteError, UsageError
 from mcore_rl.rl.phases import encode_prompts
 
 
@@ -23,13 +25,52 @@ def warm_start_answer(meta: dict, rng: random.Random) -> str:
 
 
 def sft_batch(state, records, rng: random.Random) -> Batch:
-    prompt_ids, metas, _ = encode_prompts(state.tokenizer, state.cfg, records)
-    seqs, prompt_lens = [], []
+    """Prompts with their warm-start answers (end-of-sequence appended). With an environment
+    an answer is a list of turns: the environment answers each turn but the last, and its
+    observations are left out of the loss, as in the episodes RL trains on."""
+    tok = state.tokenizer
+    prompt_ids, metas, _ = encode_prompts(tok, state.cfg, records)
+    seqs, prompt_lens, keeps = [], [], []
     for ids, meta in zip(prompt_ids, metas):
-        answer = state.tokenizer.encode(warm_start_answer(meta, rng)) + [state.tokenizer.eos_id]
+        answer = warm_start_answer(meta, rng)
+        if isinstance(answer, str):
+            answer, keep = tok.encode(answer) + [tok.eos_id], None
+        else:
+            answer, keep = transcript(state, meta, answer)
         seqs.append(ids + answer)
         prompt_lens.append(len(ids))
-    return Batch.from_sequences(seqs, prompt_lens=prompt_lens, pad_id=state.tokenizer.pad_id)
+        keeps.append([1] * len(ids) + keep if keep else None)
+    batch = Batch.from_sequences(seqs, prompt_lens=prompt_lens, pad_id=tok.pad_id)
+    if any(keeps):
+        mask = batch["response_mask"].clone()
+        for i, keep in enumerate(keeps):
+            if keep:
+                mask[i, :len(keep)] *= torch.tensor(keep)
+        batch = batch.with_tensors(response_mask=mask)
+    return batch
+
+
+def transcript(state, meta: dict, turns: list[str]) -> tuple[list[int], list[int]]:
+    """The token ids of a scripted episode (each turn's text, end-of-sequence after the
+    last, the environment's observation after the others) and 1/0 per token: the turns'."""
+    from mcore_rl.envs import ENVIRONMENTS
+
+    tok = state.tokenizer
+    if not state.cfg.environment.name:
+        raise UsageError("the task's warm-start answers are multi-turn transcripts, which need "
+                         "its environment: set environment.name (e.g. calculator)")
+    env = ENVIRONMENTS.get(state.cfg.environment.name)(tok)
+    env.reset(meta)
+    ids, keep = [], []
+    for k, turn in enumerate(turns):
+        own = tok.encode(turn) + ([tok.eos_id] if k == len(turns) - 1 else [])
+        ids += own
+        keep += [1] * len(own)
+        if k < len(turns) - 1:
+            observation = list(env.step(own).observation)
+            ids += observation
+            keep += [0] * len(observation)
+    return ids, keep
 
 
 def nll_loss(outputs, mb):

@@ -41,6 +41,22 @@ def test_two_vllm_replicas_serve_one_run_and_every_sync_is_verified_on_both(tmp_
     assert sum(h["rollout/stale_dropped"] for h in steps) == 0
 
 
+def test_async_colocated_parks_running_requests_while_the_engine_sleeps(tmp_path):
+    """Colocated, the trainer puts the engine to sleep for every update: the running
+    requests stop before it sleeps and go on after it wakes (a step on a sleeping engine
+    raises), so every step still trains within the bound."""
+    cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [
+        f"logging.dir={tmp_path}", "train.steps=3", "train.max_staleness=1",
+        "rollout.placement=colocated", "train.warm_start_steps=40", "rollout.max_new_tokens=8",
+        "model.max_position_embeddings=64"]), 1)
+    stats = run_rl_graph(cfg)
+    steps = [h for h in _history(tmp_path) if h["step"] > 0]
+    assert [h["step"] for h in steps] == [1, 2, 3]
+    assert stats.roles["rollout"].items_out == stats.roles["reward"].items_in == 3 * 16
+    assert all(h["rollout/token_staleness_max"] <= 1 for h in steps)
+    assert sum(h["rollout/partial_continued"] for h in steps) > 0  # parked and continued
+
+
 @pytest.mark.parametrize("on_stale", ["drop", "regenerate"])
 def test_a_stuck_replicas_groups_are_dropped_or_regenerated_and_counted(tmp_path, on_stale):
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [

@@ -138,8 +138,8 @@ CASES = [
     (["rollout.engine=vlm"], "rollout.engine: unknown rollout engine 'vlm'", "did you mean 'vllm'"),
     (["data.source=jsnl"], "data.source: unknown prompt source 'jsnl'", "did you mean 'jsonl'"),
     (["reward.name=exactt"], "reward.name: unknown reward 'exactt'", "did you mean 'exact'"),
-    (["reward.name=reward_model"], "reward.name: reward 'reward_model' is not available",
-     "use a rule-based reward"),
+    (["reward.name=reward_model"], "reward.name=reward_model needs reward.reward_model_path",
+     "an HF *ForSequenceClassification directory"),
     (["reward.name=no_such_mod:fn"], "reward.name: cannot import module 'no_such_mod'", "no_such_mod"),
     (["reward.name=mcore_rl.rewards:nope"], "module 'mcore_rl.rewards' has no attribute 'nope'", "nope"),
     (["algorithm.advantage_estimator=grop"], "algorithm.advantage_estimator: unknown advantage "
@@ -165,8 +165,9 @@ CASES = [
                                                                 "checkpoint", "checkpoint.resume=never"),
     (["train.schedule=one_step_off", "rollout.placement=separate"],
      "train.schedule=one_step_off trains on rollouts one weight version old", "train.max_staleness=1"),
-    (["train.schedule=one_step_off", "train.max_staleness=1"],
-     "which rollout.placement=colocated does not allow", "rollout.placement=separate"),
+    (["train.schedule=async", "train.max_staleness=1", "rollout.replicas=2"],
+     "which rollout.placement=colocated (one engine taking turns with the trainer) does not",
+     "rollout.placement=separate"),
     # the fine-tuning jobs (sft, rm, dpo, kto)
     (["train.job=dpo", "finetune.dpo_loss=sigmoud"], "finetune.dpo_loss: unknown DPO loss 'sigmoud'",
      "did you mean 'sigmoid'"),
@@ -241,7 +242,7 @@ def test_every_bounded_field_has_an_out_of_range_case_and_the_cases_are_many():
 @pytest.mark.parametrize("argv, message", [
     (["config", "show", QUICK, "--world-size", "0"], "the world size must be >= 1, got 0"),
     (["config", "show", QUICK, "reshard.bucket_mb=-1"], "reshard.bucket_mb must be > 0, got -1"),
-    (["config", "show", QUICK, "reward.name=reward_model"], "reward 'reward_model' is not available"),
+    (["config", "show", QUICK, "reward.name=reward_modle"], "did you mean 'reward_model'"),
     (["config", "show", str(REPO / "configs" / "nope.yaml")], "config file"),
 ])
 def test_config_show_rejects_the_same_inputs(argv, message, capsys, no_rank_starts):

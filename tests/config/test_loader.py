@@ -86,3 +86,18 @@ def test_every_config_field_has_a_docstring_and_a_default():
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_validates(path):
     validate_config(load_config(path))
+
+
+def test_a_mapping_field_takes_yaml_and_overrides_and_names_the_bad_key(tmp_path):
+    cfg = load_config(write(tmp_path, "reward:\n  weights:\n    math: 1\n    code: 0.5\n"),
+                      ["reward.weights.exact=0.25", "reward.weights.code=2"])
+    assert cfg.reward.weights == {"math": 1.0, "code": 2.0, "exact": 0.25}
+    assert all(isinstance(v, float) for v in cfg.reward.weights.values())
+    assert RLConfig().reward.weights == {} and RLConfig().reward.weights is not RLConfig().reward.weights
+    with pytest.raises(ConfigError, match=r"^reward.weights.math: expected float, got 'high'"):
+        load_config(None, ["reward.weights.math=high"])
+    with pytest.raises(ConfigError, match=r"^reward.weights: expected a mapping of str to float"):
+        load_config(None, ["reward.weights=[1, 2]"])
+    with pytest.raises(ConfigError, match=r"^reward.weights.pkg: expected float, got a mapping .* "
+                                          r"a key with dots goes in the YAML file"):
+        load_config(None, ["reward.weights.pkg.mod:fn=1"])

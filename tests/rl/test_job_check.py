@@ -1,6 +1,5 @@
 """Every name in a config is checked against its registry before any rank starts: one line
-naming the field, what is registered and the closest match; aliases resolve; a reserved
-name that is not available yet is refused with the reason."""
+naming the field, what is registered and the closest match; aliases resolve."""
 import pytest
 
 from mcore_rl.config import load_config
@@ -16,8 +15,8 @@ from mcore_rl.rl.job_check import check_registered_names, named_variants
     ("algorithm.advantage_estimator=grop", r"^algorithm.advantage_estimator: unknown advantage "
                                            r"estimator 'grop'; did you mean 'grpo'\?"),
     ("algorithm.policy_loss=ppo", r"^algorithm.policy_loss: unknown policy loss 'ppo'"),
-    ("reward.name=reward_model", r"^reward.name: reward 'reward_model' is not available: scoring "
-                                 r"with a trained reward model .* is not implemented yet"),
+    ("reward.name=reward_modle", r"^reward.name: unknown reward 'reward_modle'; did you mean "
+                                 r"'reward_model'\?"),
     ("reward.name=no_such_module:fn", r"^reward.name: cannot import module 'no_such_module'"),
 ])
 def test_an_unregistered_name_is_one_line_naming_the_field(override, message):

@@ -1,0 +1,83 @@
+"""`WorkerPool` through `RewardScorer` with ``reward.workers``: parallel speed-up, timeouts
+and dead workers cost only their own sample, torch-free workers."""
+import sys
+import time
+
+from mcore_rl.rewards import RewardComponent, RewardScorer
+from tests.rewards import verifiers
+
+
+def scorer(fn, **options) -> RewardScorer:
+    return RewardScorer([RewardComponent(fn.__name__, fn)], **options)
+
+
+def _iterations_for(seconds: float) -> int:
+    n = 200_000
+    t0 = time.perf_counter()
+    verifiers.busy_loop("", "", {"n": n})
+    return int(n * seconds / max(time.perf_counter() - t0, 1e-3))
+
+
+def test_two_workers_score_a_cpu_bound_verifier_in_at_most_0_6_of_the_serial_time():
+    """8 samples of ~0.12 s of pure Python each, scored serially and by 2 workers in turn;
+    the pool is started (and warm) before the timed calls. Best of up to 3 rounds, so that
+    a burst of load from other processes on the 2 cores does not decide it."""
+    metas = [{"n": _iterations_for(0.12)}] * 8
+    serial_s = pooled_s = float("inf")
+    with scorer(verifiers.busy_loop) as serial, scorer(verifiers.busy_loop, workers=2) as pooled:
+        pooled.score(["p"] * 2, ["r"] * 2, [{"n": 1}] * 2)  # start the pool
+        for _ in range(3):
+            t0 = time.perf_counter()
+            expected, _ = serial.score(["p"] * 8, ["r"] * 8, metas)
+            serial_s = min(serial_s, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            scores, _ = pooled.score(["p"] * 8, ["r"] * 8, metas)
+            pooled_s = min(pooled_s, time.perf_counter() - t0)
+            assert scores.tolist() == expected.tolist()
+            if pooled_s <= 0.6 * serial_s:
+                break
+    assert pooled_s <= 0.6 * serial_s, f"2 workers {pooled_s:.2f} s, serial {serial_s:.2f} s"
+
+
+def test_samples_past_the_timeout_are_killed_and_score_failure_score_without_stalling():
+    metas = [{"sleep": 30.0} if i in (2, 5) else {} for i in range(8)]
+    with scorer(verifiers.sleepy, workers=2, timeout_s=0.5, failure_score=-1.0) as s:
+        s.pool()
+        t0 = time.perf_counter()
+        scores, metrics = s.score(["p"] * 8, ["abc"] * 8, metas)
+        wall = time.perf_counter() - t0
+        after, _ = s.score(["p"] * 2, ["a", "ab"], [{}, {}])
+    assert scores.tolist() == [3.0, 3.0, -1.0, 3.0, 3.0, -1.0, 3.0, 3.0]
+    assert metrics["reward/timeouts"] == 2 and metrics["reward/worker_deaths"] == 0
+    assert wall < 4.0, f"two 30 s samples with a 0.5 s limit took {wall:.2f} s"
+    assert after.tolist() == [1.0, 2.0]
+
+
+def test_a_worker_killed_by_the_os_fails_only_its_sample_and_is_replaced():
+    metas = [{"die": True} if i == 3 else {} for i in range(8)]
+    responses = ["x" * i for i in range(8)]
+    with scorer(verifiers.dies_on_request, workers=2, failure_score=-1.0) as s:
+        scores, metrics = s.score(["p"] * 8, responses, metas)
+        pids = s.pool().pids()
+        again, metrics_again = s.score(["p"] * 8, responses, [{}] * 8)
+        assert s.pool().pids() == pids  # nothing died this time
+    assert scores.tolist() == [0.0, 1.0, 2.0, -1.0, 4.0, 5.0, 6.0, 7.0]
+    assert metrics["reward/worker_deaths"] == 1
+    assert again.tolist() == [float(i) for i in range(8)]
+    assert metrics_again["reward/worker_deaths"] == 0
+    assert len(set(pids)) == 2
+
+
+def test_batched_functions_run_in_one_chunk_per_worker():
+    with scorer(verifiers.batched_length, workers=2) as s:
+        scores, _ = s.score(["p"] * 5, ["a" * i for i in range(5)], [{}] * 5)
+    assert scores.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_workers_do_not_import_torch():
+    assert "torch" in sys.modules  # this process has it: the check below means something
+    with scorer(verifiers.torch_loaded, workers=1) as s:
+        scores, _ = s.score(["p"], ["r"], [{}])
+        assert scores.tolist() == [0.0]
+        (worker,) = s.pool().workers
+    assert worker.proc.poll() is not None  # closed with the scorer
