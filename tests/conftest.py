@@ -36,3 +36,14 @@ def _stop_shared_worlds_at_session_end():
     from tests.world import close_shared_worlds
 
     close_shared_worlds()
+
+
+@pytest.fixture()
+def no_rank_starts(monkeypatch):
+    """Fails the test if any rank would start (checks that must come before any work)."""
+    def trap(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr("mcore_rl.parallel.local_launch.run_ranks", trap)
+    monkeypatch.setattr("mcore_rl.cli.rank_main.rank_main", trap)
+    monkeypatch.setattr("mcore_rl.cli.train_graph.run_graph", trap)

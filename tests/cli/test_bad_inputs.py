@@ -197,16 +197,6 @@ CASES = [
 ] + RANGE_CASES
 
 
-@pytest.fixture()
-def no_rank_starts(monkeypatch):
-    def trap(*args, **kwargs):
-        raise AssertionError("a rank was started")
-
-    monkeypatch.setattr("mcore_rl.parallel.local_launch.run_ranks", trap)
-    monkeypatch.setattr("mcore_rl.cli.rank_main.rank_main", trap)
-    monkeypatch.setattr("mcore_rl.cli.train_graph.run_graph", trap)
-
-
 def _listing(root: Path) -> dict:
     return {str(p.relative_to(root)): (p.stat().st_size if p.is_file() else None)
             for p in sorted(root.rglob("*"))}

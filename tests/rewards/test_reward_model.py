@@ -126,16 +126,6 @@ def test_a_reward_scorer_refuses_the_reward_model_in_one_line():
     assert "\n" not in str(err.value)
 
 
-@pytest.fixture()
-def no_rank_starts(monkeypatch):
-    def trap(*args, **kwargs):
-        raise AssertionError("a rank was started")
-
-    monkeypatch.setattr("mcore_rl.parallel.local_launch.run_ranks", trap)
-    monkeypatch.setattr("mcore_rl.cli.rank_main.rank_main", trap)
-    monkeypatch.setattr("mcore_rl.cli.train_graph.run_graph", trap)
-
-
 def _hf_config(path: Path, architecture: str) -> Path:
     path.mkdir()
     (path / "config.json").write_text(json.dumps({
