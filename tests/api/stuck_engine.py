@@ -1,7 +1,10 @@
 """A rollout engine for tests of the asynchronous schedule: the HF engine, except that the
-replica whose log file names ``engine_1`` holds each request ``STUCK_S`` seconds before it
-runs it (a stuck replica: its steps return nothing meanwhile, so weight syncs still reach
-it), so its groups finish after the trainer has moved on.
+replica whose log file names ``engine_1`` is stuck. It holds each new prompt's request
+until its weights have moved ``STUCK_VERSIONS`` versions past the version it was submitted
+under (its steps return nothing meanwhile, so weight syncs still reach it), so that group
+finishes too old for ``train.max_staleness=1`` whatever the timing. A prompt it has seen
+before (a group generated again) runs at once. ``STUCK_S`` caps a hold, so that a run's
+last groups end even when no new weights come.
 
     rollout.engine=tests.api.stuck_engine:build rollout.replicas=2
 """
@@ -9,7 +12,8 @@ from __future__ import annotations
 
 import time
 
-STUCK_S = 2.0
+STUCK_VERSIONS = 2
+STUCK_S = 6.0
 POLL_S = 0.05
 
 
@@ -20,14 +24,24 @@ def build(cfg, model_dir, **kwargs):
 
     class StuckHF(HFEngine):
         def submit(self, request):
-            self.__dict__.setdefault("_since", {})[request.request_id] = time.monotonic()
+            seen = self.__dict__.setdefault("_seen", set())
+            key = tuple(request.prompt)
+            if key not in seen:
+                seen.add(key)
+                self.__dict__.setdefault("_held", {})[request.request_id] = (
+                    self.weight_version, time.monotonic())
             super().submit(request)
 
         def step(self):
             queue = self._queued()
-            if stuck and queue and time.monotonic() - self._since[queue[0].request_id] < STUCK_S:
-                time.sleep(POLL_S)
-                return []
+            held = self.__dict__.get("_held", {})
+            if stuck and queue and queue[0].request_id in held:
+                version, since = held[queue[0].request_id]
+                if self.weight_version - version < STUCK_VERSIONS and \
+                        time.monotonic() - since < STUCK_S:
+                    time.sleep(POLL_S)
+                    return []
+                del held[queue[0].request_id]
             return super().step()
 
     return StuckHF(model_dir, tp=cfg.engine_tp, dtype=kwargs.get("dtype", "fp32"),

