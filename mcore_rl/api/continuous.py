@@ -232,9 +232,14 @@ class ContinuousGenerate:
             return []
         slots = []
         for rid, samples in self.engine.cancel(list(self.groups)).items():
-            group = self._finished(rid, samples)
-            slots += [(group, j) for j, s in enumerate(group.samples)
-                      if s is not None and s.finish_reason == "abort"]
+            group = self.groups[rid]
+            sample = group.pending[rid]
+            self._finished(rid, samples)
+            # only this request's slots: a group cut into several requests has each of its
+            # unfinished samples once among the slots
+            indices = range(len(group.samples)) if sample is None else [sample]
+            slots += [(group, j) for j in indices
+                      if group.samples[j] is not None and group.samples[j].finish_reason == "abort"]
         return slots
 
     def _resubmit(self, slots: list[tuple[_Group, int]]) -> None:

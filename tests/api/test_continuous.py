@@ -47,29 +47,40 @@ def parts(tmp_path_factory):
     engine.close()
 
 
-def _rollout(parts, monkeypatch, mode: str):
-    """Four prompt groups through the role, the other weights loaded after `SWITCH_AFTER`
-    engine steps; per group: prompt ids, response ids, their versions; the role's counts."""
+def _rollout(parts, monkeypatch, mode: str, samples: int = 1, switches=(SWITCH_AFTER,)):
+    """Four prompt groups of ``samples`` samples through the role, the other weights (and
+    back, and so on) loaded after each of ``switches`` engine steps; per group: prompt ids,
+    response ids, their versions (of its first sample); the role's counts; every sample's
+    response ids and versions. Greedy for one sample, sampled (temperature 1) for more."""
     from mcore_rl.api.continuous import ContinuousGenerate
     from mcore_rl.api.rl_graph import group_items
 
     engine = parts.engine
     engine.load_weights_from_dir(str(parts.model_dir), version=0)  # and an empty prefix cache
-    cfg = replace(parts.cfg, rollout=replace(parts.cfg.rollout, partial_rollout=mode))
+    cfg = replace(parts.cfg, rollout=replace(parts.cfg.rollout, partial_rollout=mode,
+                                             n_samples_per_prompt=samples,
+                                             temperature=0.0 if samples == 1 else 1.0))
     real_step, steps = engine.step, itertools.count(1)
 
     def step():
         finished = real_step()
-        if next(steps) == SWITCH_AFTER:  # a weight sync between two engine steps
-            engine.load_weights_from_dir(str(parts.other), version=1)
+        at = next(steps)
+        if at in switches:  # a weight sync between two engine steps
+            version = switches.index(at) + 1
+            weights = parts.other if version % 2 else parts.model_dir
+            engine.load_weights_from_dir(str(weights), version=version)
         return finished
 
     monkeypatch.setattr(engine, "step", step)
     role = ContinuousGenerate.around(SimpleNamespace(engine=engine, lock=threading.RLock(), cfg=cfg,
                                                     tokenizer=parts.tokenizer))
-    groups = []
+    groups, every = [], []
     counts = {"partial_continued": 0.0, "partial_restarted": 0.0}
     for batch in role(itertools.islice(group_items(cfg, 0, 0), 4)):
+        for row in range(len(batch)):
+            mask = batch["response_mask"][row].bool()
+            every.append((batch["input_ids"][row][mask].tolist(),
+                          batch["token_versions"][row][mask].tolist()))
         ids, mask = batch["input_ids"][0], batch["response_mask"][0].bool()
         prompt_len = int(mask.nonzero()[0])
         groups.append((ids[:prompt_len][batch["attention_mask"][0][:prompt_len].bool()].tolist(),
@@ -78,7 +89,7 @@ def _rollout(parts, monkeypatch, mode: str):
             counts[name] += sum(batch.meta[name])
     monkeypatch.undo()
     engine.reset_prefix_cache()  # the oracle starts from an empty cache
-    return groups, counts
+    return groups, counts, every
 
 
 def _greedy(engine, prompt, new_tokens):
@@ -89,7 +100,7 @@ def _greedy(engine, prompt, new_tokens):
 
 
 def test_continued_responses_go_on_as_the_new_weights_generate_after_their_old_tokens(parts, monkeypatch):
-    groups, counts = _rollout(parts, monkeypatch, "continue")
+    groups, counts, _ = _rollout(parts, monkeypatch, "continue")
     assert len(groups) == 4
     cut = [g for g in groups if 0 in g[2] and 1 in g[2]]
     assert any(len(p) + g.count(0) >= BLOCK for p, _, g in cut), "no cached block was at stake"
@@ -102,9 +113,24 @@ def test_continued_responses_go_on_as_the_new_weights_generate_after_their_old_t
 
 
 def test_aborted_responses_start_over_under_the_new_weights(parts, monkeypatch):
-    groups, counts = _rollout(parts, monkeypatch, "abort")
+    groups, counts, _ = _rollout(parts, monkeypatch, "abort")
     restarted = [g for g in groups if set(g[2]) == {1}]
     assert restarted and counts["partial_restarted"] == len(restarted)
     assert counts["partial_continued"] == 0
     for prompt, response, versions in restarted:
         assert response == _greedy(parts.engine, prompt, NEW_TOKENS)
+
+
+def test_every_sample_of_a_group_cut_by_two_syncs_is_continued_once_per_sync(parts, monkeypatch):
+    """Groups of 4 samples, new weights twice mid-generation: the group's request is cut
+    into 4 continuations, which the second sync cuts again. Each unfinished sample goes on
+    once per sync (no slot resubmitted twice: no response grows past its token limit), and
+    its tokens' versions only rise."""
+    groups, counts, every = _rollout(parts, monkeypatch, "continue", samples=4, switches=(8, 16))
+    assert len(groups) == 4 and len(every) == 16
+    assert all(len(response) <= NEW_TOKENS for response, _ in every), \
+        sorted(len(r) for r, _ in every)
+    assert all(versions == sorted(versions) for _, versions in every)
+    cuts = sum(len(set(versions)) - 1 for _, versions in every)
+    assert cuts > 0 and counts["partial_continued"] >= cuts
+    assert counts["partial_continued"] <= 2 * 16  # at most once per sample and sync
