@@ -45,6 +45,11 @@ OUR_PHASES = {"logprobs": ("logprobs", "kl_penalty", "advantages")}
 """Our ``time/*`` metrics summed into a compared phase: TRL's log-prob phase also computes
 the KL penalty and the advantages (every other phase has one metric of its name)."""
 TARGET_SPEEDUP = {"smollm2": 1.5}
+SCHEDULE_METRICS = {"trainer_idle_s": "time/trainer_idle_s", "engine_idle_s": "time/engine_idle_s",
+                    "engine_occupancy": "engine/occupancy", "length_p50": "response/length_p50",
+                    "length_p90": "response/length_p90", "length_max": "response/length_max",
+                    "staleness_max": "rollout/token_staleness_max"}
+"""Per-step metrics kept where a run logs them (`mcore-rl bench train --schedule`)."""
 
 
 @dataclass
@@ -74,15 +79,18 @@ def _config_path(config: str) -> Path:
     raise UsageError(f"config '{config}' not found (run from the repository root or pass --config)")
 
 
-def our_overrides(cfg, steps: int, log_dir: Path, threads: int, dtype: str) -> list[str]:
-    """The benchmark's changes to a training config: fixed-length responses, no warm start,
-    validation, samples, TensorBoard or intermediate checkpoints, all cores for the ranks."""
+def our_overrides(cfg, steps: int, log_dir: Path, threads: int, dtype: str,
+                  fixed_lengths: bool = True) -> list[str]:
+    """The benchmark's changes to a training config: fixed-length responses (unless
+    ``fixed_lengths`` is off: then they end at end-of-sequence), no warm start, validation,
+    samples, TensorBoard or intermediate checkpoints, all cores for the ranks."""
     world = cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
+    fixed = [f"rollout.min_new_tokens={cfg.rollout.max_new_tokens}"] if fixed_lengths else []
     return [f"train.steps={steps}", "train.warm_start_steps=0", "train.val_every=0",
             "checkpoint.save_every=0", "checkpoint.resume=never", "logging.samples_every=0",
             "logging.tensorboard=false", "logging.progress_bar=false", f"logging.dir={log_dir}",
-            f"rollout.min_new_tokens={cfg.rollout.max_new_tokens}",
-            f"parallel.cpu_threads_per_rank={max(1, threads // world)}", f"model.dtype={dtype}"]
+            *fixed, f"parallel.cpu_threads_per_rank={max(1, threads // world)}",
+            f"model.dtype={dtype}"]
 
 
 def run_ours(config: Path, overrides: list[str], log_dir: Path) -> list[dict]:
@@ -102,7 +110,8 @@ def run_ours(config: Path, overrides: list[str], log_dir: Path) -> list[dict]:
                       **{p: sum(r.get(f"time/{m}", 0.0) for m in OUR_PHASES.get(p, (p,)))
                          for p in PHASES},
                       "values": r.get("time/values", 0.0), "sync": r.get("time/sync", 0.0),
-                      "tokens": r["perf/tokens"], "responses": r["perf/responses"]})
+                      "tokens": r["perf/tokens"], "responses": r["perf/responses"],
+                      **{key: r[metric] for key, metric in SCHEDULE_METRICS.items() if metric in r}})
     return steps
 
 
@@ -222,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="precision of both sides: fp32, or bf16 mixed precision (ours: bf16 "
                              "parameters with fp32 main parameters, vLLM in bf16; TRL: bf16=True)")
     parser.add_argument("--quick", action="store_true", help="quickstart size, 4 steps (for tests)")
+    parser.add_argument("--schedule", default=None,
+                        help="compare training schedules against sync instead of TRL, with "
+                             "natural response lengths (e.g. sync,one_step_off,async; see "
+                             "benchmarks/train_schedules.py)")
+    parser.add_argument("--k", type=int, default=2, help="max staleness K of async (--schedule)")
     args = parser.parse_args(argv)
     sizes = ["quickstart"] if args.quick else [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
@@ -230,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     steps, warmup = (4, 2) if args.quick else (args.steps, args.warmup)
     if steps is not None and steps <= (warmup or 0):
         raise UsageError(f"--steps {steps} leaves nothing after --warmup {warmup}")
+    if args.schedule is not None:
+        return _main_schedules(args, sizes, steps, warmup)
     results = {name: bench_size(name, SIZES[name], steps, warmup, args.threads, args.dtype) for name in sizes}
     write_json(args.json, rounded({"benchmark": "train", "machine": machine_info(),
                                    "baseline": "TRL GRPOTrainer (HF generate + HF training)",
@@ -240,6 +256,26 @@ def main(argv: list[str] | None = None) -> int:
              f"x{tps['speedup']:.2f}; step {r['step_time']['ours']:.2f} s vs "
              f"{r['step_time']['baseline']:.2f} s; phases " + ", ".join(
                  f"{p} x{c['speedup']:.2f}" for p, c in r["phases"].items() if c["speedup"]))
+    _log(f"wrote {args.json}")
+    return 0
+
+
+def _main_schedules(args, sizes: list[str], steps: int | None, warmup: int | None) -> int:
+    from mcore_rl.benchmarks.train_schedules import bench_schedules, parse_schedules
+
+    schedules = parse_schedules(args.schedule)
+    if args.k < 1:
+        raise UsageError(f"--k {args.k}: async needs a max staleness of at least 1")
+    results = {name: bench_schedules(name, SIZES[name], schedules, args.k, steps, warmup,
+                                     args.threads, args.dtype, _log) for name in sizes}
+    write_json(args.json, rounded({"benchmark": "train_schedules", "machine": machine_info(),
+                                   "baseline": "the sync schedule (and static batching) in the same run",
+                                   "results": results}))
+    for name, r in results.items():
+        lengths = r["schedules"]["sync"]["response_lengths"]
+        _log(f"{name}: response lengths p50 {lengths['p50']:g}, p90 {lengths['p90']:g}, "
+             f"max {lengths['max']:g}; " + ", ".join(
+                 f"{c} x{v['speedup']:.2f}" for c, v in r["comparisons"].items()))
     _log(f"wrote {args.json}")
     return 0
 

@@ -83,6 +83,10 @@ class ContinuousGenerate:
                        "partial_restarted": 0.0, "engine_idle_s": 0.0}
         self.waiting: list[tuple[_Group, int | None]] = []
         """Submissions held while the engine sleeps (colocated: the trainer updates)."""
+        self.ready: list[Batch] = []
+        """Groups done, to hand on. Every change to the groups happens under the engine's
+        lock: the trainer's sleep call (`_park`, another thread) may cut requests while the
+        loop takes finished ones."""
         self.sleeping = False
         self.engine.before_sleep = self._park
 
@@ -92,10 +96,14 @@ class ContinuousGenerate:
                                   name="rollout-reader")
         reader.start()
         ended = False
-        while not (ended and not self.groups and not self.waiting):
-            ended = self._admit(arrived, block=not self.groups and not self.waiting) or ended
+        while not (ended and not self.groups and not self.waiting and not self.ready):
+            idle = not self.groups and not self.waiting and not self.ready
+            ended = self._admit(arrived, block=idle) or ended
             if self.groups or self.waiting:
-                yield from self._step()
+                self._step()
+            with self.lock:
+                done, self.ready = self.ready, []
+            yield from done
         reader.join(timeout=1.0)
 
     def close(self) -> None:
@@ -167,7 +175,8 @@ class ContinuousGenerate:
             self.engine.submit(Request(rid, prompt, sampling, seed))
 
     # ----- stepping -------------------------------------------------------------------
-    def _step(self) -> Iterator[Batch]:
+    def _step(self) -> None:
+        """One engine step; the groups it finished go to ``ready``."""
         with self.lock:
             asleep = self.engine.asleep
             if not asleep:
@@ -179,18 +188,15 @@ class ContinuousGenerate:
                         self._submit(group, sample)
                 finished = self.engine.step()
                 in_flight = self.engine.sequences_in_flight()
+                for group in {id(g): g for g in self.groups.values()}.values():
+                    group.occupancy.append(in_flight)
+                for rid, samples in finished:
+                    group = self._finished(rid, samples)
+                    if group is not None and not group.pending:
+                        self._complete(group)
         if asleep:  # colocated: the trainer has the devices until it wakes the engine
             time.sleep(IDLE_WAIT_S)
             self.counts["engine_idle_s"] += IDLE_WAIT_S
-            return
-        for group in {id(g): g for g in self.groups.values()}.values():
-            group.occupancy.append(in_flight)
-        for rid, samples in finished:
-            group = self._finished(rid, samples)
-            if group is not None and not group.pending:
-                batch = self._complete(group)
-                if batch is not None:
-                    yield batch
 
     def _finished(self, rid: str, samples: list[RolloutSample]) -> _Group | None:
         """Put a request's samples into their group's slots (stamped with the version the
@@ -230,16 +236,21 @@ class ContinuousGenerate:
         """Stop every request in the engine; the (group, sample) slots left unfinished."""
         if not self.groups or not self.engine.continuous:
             return []
-        slots = []
+        slots, cut = [], {}
         for rid, samples in self.engine.cancel(list(self.groups)).items():
             group = self.groups[rid]
             sample = group.pending[rid]
             self._finished(rid, samples)
+            cut[id(group)] = group
             # only this request's slots: a group cut into several requests has each of its
             # unfinished samples once among the slots
             indices = range(len(group.samples)) if sample is None else [sample]
             slots += [(group, j) for j in indices
                       if group.samples[j] is not None and group.samples[j].finish_reason == "abort"]
+        going_on = {id(group) for group, _ in slots}
+        for key, group in cut.items():  # its last requests had finished when they were cut
+            if key not in going_on and not group.pending:
+                self._complete(group)
         return slots
 
     def _resubmit(self, slots: list[tuple[_Group, int]]) -> None:
@@ -252,8 +263,8 @@ class ContinuousGenerate:
                 self.counts["partial_continued"] += 1
             self._submit(group, j)
 
-    def _complete(self, group: _Group) -> Batch | None:
-        """The group's rollout batch; None when it is generated again for being too old."""
+    def _complete(self, group: _Group) -> None:
+        """The group's rollout batch into ``ready``; or, too old, the group generated again."""
         from mcore_rl.engines.base import Rollouts
 
         oldest = min(s.weight_version for s in group.samples)
@@ -262,7 +273,7 @@ class ContinuousGenerate:
             self.counts["stale_regenerated"] += 1
             group.samples = [None] * len(group.samples)
             self._submit(group, None)
-            return None
+            return
         batch = Rollouts(list(group.samples)).to_batch(pad_id=self.base.tokenizer.pad_id)
         n = len(batch)
         batch.meta["prompt_meta"] = [group.meta] * n
@@ -274,7 +285,7 @@ class ContinuousGenerate:
             batch.meta[name] = [self.counts[name] / n] * n
             self.counts[name] = 0.0
         batch.info["filtered_prompts"] = 0
-        return batch
+        self.ready.append(batch)
 
 
 def _versions(sample: RolloutSample) -> list[int]:

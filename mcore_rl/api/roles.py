@@ -177,6 +177,8 @@ class Train:
         self.last_end: float | None = None
         self.dropped = 0.0
         """Samples dropped as too stale since the last step (reported with the next one)."""
+        self.groups_seen: set[tuple] = set()
+        """(step, index) of every prompt group taken (async: `_check_once`)."""
 
     def __call__(self, batch: Batch) -> dict[str, float]:
         from mcore_rl.rl import phases
@@ -193,6 +195,7 @@ class Train:
         rollout_metrics = {}
         if "group_key" in batch.meta:  # prompt groups that arrived one by one (async)
             batch, rollout_metrics = assemble_groups(batch)
+            self._check_once(batch)
         state.prompts.position += batch.info.get("prompts", 0)  # what a checkpoint records
         batch = phases.with_scores(state, phases.mark_truncated(state.cfg, batch), batch["scores"])
         dynamic = {}
@@ -233,6 +236,17 @@ class Train:
 
             finish_launch()  # the feed holds spare rounds for dynamic sampling: stop it here
         return metrics
+
+    def _check_once(self, batch: Batch) -> None:
+        """Every prompt group reaches the trainer once: a group in two batches, or twice in
+        one (more rows than samples per prompt), is a bug upstream, never trained on."""
+        keys = [tuple(k) for k in batch.meta["group_key"]]
+        n = self.state.cfg.rollout.n_samples_per_prompt
+        for key in dict.fromkeys(keys):
+            if key in self.groups_seen or keys.count(key) > n:
+                raise RuntimeError(f"prompt group {key} (step, index) reached the trainer twice; "
+                                   "a rollout handed it on more than once")
+        self.groups_seen.update(keys)
 
     def close(self) -> None:
         from mcore_rl.trainer import finish

@@ -91,3 +91,18 @@ def test_a_replica_killed_mid_run_ends_the_run_with_an_error_naming_it(tmp_path)
     assert first.startswith("controller 'rollout' #1 failed while running: its process died"), first
     assert (err.value.role, err.value.index) == ("rollout", 1)
     assert time.monotonic() - start < 120  # nothing waited on the dead replica
+
+
+def test_a_prompt_group_reaching_the_trainer_twice_is_an_error_not_a_second_update():
+    from types import SimpleNamespace
+
+    from mcore_rl.api.roles import Train
+
+    train = Train.__new__(Train)
+    train.groups_seen = set()
+    train.state = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=2)))
+    train._check_once(SimpleNamespace(meta={"group_key": [(1, 0), (1, 0), (1, 1), (1, 1)]}))
+    with pytest.raises(RuntimeError, match=r"prompt group \(1, 1\) \(step, index\) reached the trainer twice"):
+        train._check_once(SimpleNamespace(meta={"group_key": [(2, 0), (2, 0), (1, 1), (1, 1)]}))
+    with pytest.raises(RuntimeError, match=r"prompt group \(3, 0\)"):  # twice in one batch
+        train._check_once(SimpleNamespace(meta={"group_key": [(3, 0)] * 4}))

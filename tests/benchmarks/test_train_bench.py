@@ -34,3 +34,37 @@ def test_unknown_size_is_one_line_with_exit_2(tmp_path, capsys):
     assert main(["bench", "train", "--json", str(tmp_path / "x.json"), "--sizes", "huge"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown size 'huge'; choose from quickstart, smollm2" in err[0]
+
+
+def test_quick_schedule_bench_compares_each_schedule_and_continuous_batching_with_sync(tmp_path):
+    out = tmp_path / "schedules.json"
+    assert main(["bench", "train", "--json", str(out), "--quick", "--schedule", "sync,async"]) == 0
+    report = json.loads(out.read_text())["results"]["quickstart"]
+    cfg = load_config("configs/quickstart.yaml", [])
+    assert set(report["comparisons"]) == {"engine_continuous_batching", "async_vs_sync"}
+    for c in report["comparisons"].values():
+        assert c["ours"] > 0 and c["baseline"] > 0
+        assert c["speedup"] == pytest.approx(c["ours"] / c["baseline"], rel=2e-3)
+    assert report["comparisons"]["async_vs_sync"]["baseline"] == report["schedules"]["sync"]["tokens_per_s"]
+    assert report["k"] == {"sync": 0, "async": 2}
+    for name, figures in report["schedules"].items():
+        lengths = figures["response_lengths"]
+        assert 1 <= lengths["p50"] <= lengths["p90"] <= lengths["max"] <= cfg.rollout.max_new_tokens
+        assert figures["staleness_max"] <= report["k"][name]
+        assert 0 <= figures["trainer_idle_share"] <= 1 and 0 < figures["engine_busy_share"] <= 1
+        steps = report["per_step"][name]
+        assert len(steps) == 2 and all(s["responses"] == 128 for s in steps)
+    assert 0 < report["schedules"]["async"]["engine_occupancy"]
+    engine = report["engine"]
+    capacity = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    assert 0 < engine["continuous_mean_occupancy"] <= capacity
+    assert set(engine["decode_tokens_per_s"]) == {"1", "8", "32"}
+
+
+@pytest.mark.parametrize("schedules, message", [
+    ("async", "has no sync: every schedule is compared against sync"),
+    ("sync,fast", "give comma-separated schedules of sync, one_step_off, async")])
+def test_a_bad_schedule_list_is_one_line_with_exit_2(tmp_path, capsys, schedules, message):
+    assert main(["bench", "train", "--json", str(tmp_path / "x.json"), "--schedule", schedules]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

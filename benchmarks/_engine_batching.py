@@ -1,0 +1,117 @@
+"""The engine side of `mcore-rl bench train --schedule`, in a fresh process: ``python -m
+mcore_rl.benchmarks._engine_batching SPEC OUT``.
+
+SPEC (JSON): ``config`` and ``overrides`` (the run's config: prompts, sampling, precision),
+``model_dir`` (the HF checkpoint the runs started from),
+``prompts`` (how many of the task's training prompts), ``static_prompts`` (prompts per
+static batch: a step's), ``capacity`` (sequences the continuous engine keeps in flight),
+``occupancies`` and ``decode_tokens`` (the decode-rate curve).
+
+One in-process vLLM engine (the run's precision, model and sampling: natural lengths,
+stop at end-of-sequence) measures, on the same prompts with the same seeds:
+
+- **static batching**: the prompts in batches of ``static_prompts``, each one blocking
+  ``generate`` call that ends with its longest response (what the synchronous schedule's
+  engine does every step);
+- **continuous batching**: the same prompts submitted request by request, a new prompt
+  admitted whenever room for its samples frees up (``capacity`` sequences at most), as the
+  asynchronous schedule's rollout does;
+- **decode rate by occupancy**: at each occupancy, that many sequences of exactly
+  ``decode_tokens`` tokens stepped together (prefill included: measured apart and taken off);
+- **prefill rate**: prompt tokens per second of a one-token generation.
+
+OUT: tokens, seconds and mean occupancy of both batching modes, every response length, the
+decode curve and the prefill rate (the planner's calibration: `mcore_rl.plan.CostModel`).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+
+def _prompts(cfg, count: int, model_dir: str):
+    from mcore_rl.data.prompts import PromptStream, load_prompt_records
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.rl import phases
+
+    tokenizer = load_tokenizer(model_dir)
+    stream = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
+    ids, _, _ = phases.encode_prompts(tokenizer, cfg, stream.take(count))
+    seeds = [phases.request_seed(cfg.train.seed, 0, i) for i in range(len(ids))]
+    return model_dir, tokenizer, ids, seeds
+
+
+def static_batches(engine, ids, seeds, sampling, per_batch: int) -> dict:
+    lengths, t0 = [], time.perf_counter()
+    for start in range(0, len(ids), per_batch):
+        rollouts = engine.generate(ids[start:start + per_batch], sampling,
+                                   seeds=seeds[start:start + per_batch])
+        lengths += [len(s.token_ids) for s in rollouts.samples]
+    return {"tokens": sum(lengths), "seconds": time.perf_counter() - t0, "lengths": lengths,
+            "mean_occupancy": None}
+
+
+def continuous(engine, ids, seeds, sampling, capacity: int) -> dict:
+    from mcore_rl.engines.base import Request
+
+    lengths, occupancy, admitted, finished = [], [], 0, 0
+    t0 = time.perf_counter()
+    while finished < len(ids):
+        while admitted < len(ids) and engine.sequences_in_flight() + sampling.n <= capacity:
+            engine.submit(Request(f"bench-{admitted}", ids[admitted], sampling, seeds[admitted]))
+            admitted += 1
+        occupancy.append(engine.sequences_in_flight())
+        for _, samples in engine.step():
+            finished += 1
+            lengths += [len(s.token_ids) for s in samples]
+    return {"tokens": sum(lengths), "seconds": time.perf_counter() - t0, "lengths": lengths,
+            "mean_occupancy": statistics.mean(occupancy)}
+
+
+def decode_curve(engine, ids, sampling, occupancies: list[int], tokens: int) -> dict:
+    """Decode tokens/s at each occupancy (prefill time, measured alone, taken off)."""
+    prompt = ids[0]
+    fixed = replace(sampling, n=1, min_new_tokens=tokens, max_new_tokens=tokens)
+    one = replace(sampling, n=1, min_new_tokens=1, max_new_tokens=1)
+    rates = []
+    for occ in occupancies:
+        t0 = time.perf_counter()
+        engine.generate([prompt] * occ, one, seeds=list(range(occ)))
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.generate([prompt] * occ, fixed, seeds=list(range(occ)))
+        rates.append(occ * (tokens - 1) / max(1e-6, time.perf_counter() - t0 - prefill))
+    t0 = time.perf_counter()
+    engine.generate(ids, one, seeds=list(range(len(ids))))
+    prefill_rate = sum(len(p) for p in ids) / (time.perf_counter() - t0)
+    return {"occupancy": occupancies, "tokens_per_s": rates, "prefill_tokens_per_s": prefill_rate}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from mcore_rl.config import load_config
+    from mcore_rl.engines import build_rollout_engine, sampling_from_config
+
+    spec = json.loads(open(spec_path).read())
+    cfg = load_config(spec["config"], spec["overrides"])
+    model_dir, tokenizer, ids, seeds = _prompts(cfg, spec["prompts"], spec["model_dir"])
+    sampling = sampling_from_config(cfg.rollout, stop_token_ids=[tokenizer.eos_id])
+    positions = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+    longest = max(len(p) for p in ids) + cfg.rollout.max_new_tokens
+    engine = build_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, seed=cfg.train.seed,
+                                  max_model_len=min(positions, longest), in_process=True)
+    engine.generate(ids[:1], sampling, seeds=seeds[:1])  # warm-up: first-call costs
+    out = {"static": static_batches(engine, ids, seeds, sampling, spec["static_prompts"]),
+           "continuous": continuous(engine, ids, seeds, sampling, spec["capacity"]),
+           "decode": decode_curve(engine, ids, sampling, spec["occupancies"], spec["decode_tokens"]),
+           "prompt_tokens_mean": statistics.mean(len(p) for p in ids)}
+    engine.close()
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
