@@ -8,14 +8,15 @@ static batch: a step's), ``capacity`` (sequences the continuous engine keeps in 
 ``occupancies`` and ``decode_tokens`` (the decode-rate curve).
 
 One in-process vLLM engine (the run's precision, model and sampling: natural lengths,
-stop at end-of-sequence) measures, on the same prompts with the same seeds:
+stop at end-of-sequence) measures, on the same prompts (the samples' seeds differ between
+the two batching modes, the length distribution does not):
 
 - **static batching**: the prompts in batches of ``static_prompts``, each one blocking
   ``generate`` call that ends with its longest response (what the synchronous schedule's
   engine does every step);
-- **continuous batching**: the same prompts submitted request by request, a new prompt
-  admitted whenever room for its samples frees up (``capacity`` sequences at most), as the
-  asynchronous schedule's rollout does;
+- **continuous batching**: the same prompts, every sample a request of its own, a new one
+  admitted whenever a sequence finishes (``capacity`` sequences at most: the engine stays
+  full), as vLLM's scheduler admits the asynchronous rollout's samples;
 - **decode rate by occupancy**: at each occupancy, that many sequences of exactly
   ``decode_tokens`` tokens stepped together (prefill included: measured apart and taken off);
 - **prefill rate**: prompt tokens per second of a one-token generation.
@@ -56,17 +57,22 @@ def static_batches(engine, ids, seeds, sampling, per_batch: int) -> dict:
 
 
 def continuous(engine, ids, seeds, sampling, capacity: int) -> dict:
+    """Every sample its own request (seeded from its prompt's seed and its index), admitted
+    the moment a sequence finishes, so that the engine holds ``capacity`` sequences until
+    the prompts run out (as vLLM's scheduler admits a group's samples one by one)."""
     from mcore_rl.engines.base import Request
 
-    lengths, occupancy, admitted, finished = [], [], 0, 0
+    one = replace(sampling, n=1)
+    requests = [Request(f"bench-{i}-{j}", prompt, one, seed + j)
+                for i, (prompt, seed) in enumerate(zip(ids, seeds)) for j in range(sampling.n)]
+    lengths, occupancy, admitted = [], [], 0
     t0 = time.perf_counter()
-    while finished < len(ids):
-        while admitted < len(ids) and engine.sequences_in_flight() + sampling.n <= capacity:
-            engine.submit(Request(f"bench-{admitted}", ids[admitted], sampling, seeds[admitted]))
+    while len(lengths) < len(requests):
+        while admitted < len(requests) and engine.sequences_in_flight() < capacity:
+            engine.submit(requests[admitted])
             admitted += 1
         occupancy.append(engine.sequences_in_flight())
         for _, samples in engine.step():
-            finished += 1
             lengths += [len(s.token_ids) for s in samples]
     return {"tokens": sum(lengths), "seconds": time.perf_counter() - t0, "lengths": lengths,
             "mean_occupancy": statistics.mean(occupancy)}

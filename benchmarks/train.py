@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     if steps is not None and steps <= (warmup or 0):
         raise UsageError(f"--steps {steps} leaves nothing after --warmup {warmup}")
     if args.schedule is not None:
+        if args.quick:
+            steps, warmup = 4, 1
         return _main_schedules(args, sizes, steps, warmup)
     results = {name: bench_size(name, SIZES[name], steps, warmup, args.threads, args.dtype) for name in sizes}
     write_json(args.json, rounded({"benchmark": "train", "machine": machine_info(),
@@ -264,6 +266,9 @@ def _main_schedules(args, sizes: list[str], steps: int | None, warmup: int | Non
     from mcore_rl.benchmarks.train_schedules import bench_schedules, parse_schedules
 
     schedules = parse_schedules(args.schedule)
+    if steps is not None and steps <= (warmup if warmup is not None else 1) + 1:
+        raise UsageError(f"--steps {steps} leaves no steady-state step after the warm-up and "
+                         "before the last step; raise --steps")
     if args.k < 1:
         raise UsageError(f"--k {args.k}: async needs a max staleness of at least 1")
     results = {name: bench_schedules(name, SIZES[name], schedules, args.k, steps, warmup,

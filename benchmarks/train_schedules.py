@@ -5,7 +5,8 @@ Per size, each schedule trains ``mcore-rl train`` from the same initial weights 
 prompts, each in a fresh process, with responses that end at end-of-sequence (up to the
 config's ``rollout.max_new_tokens``): ``sync`` (K = 0), ``one_step_off`` (K = 1) and
 ``async`` (K = ``--k``), each with the config's placement. Figures are medians over the
-steps after the warm-up steps:
+steps of the steady state: after the warm-up steps, and before the last step (during which
+an overlapping schedule has no next step to generate):
 
 - **tokens/s end to end**: prompt + response tokens of a step over its wall time as the
   graph runs it (``time/batch_interval``: with overlap, the time per trained batch);
@@ -16,10 +17,10 @@ steps after the warm-up steps:
   the rollout's idle seconds), the engine's mean batch occupancy (``async``), the largest
   token staleness;
 - **engine_continuous_batching** (``mcore_rl.benchmarks._engine_batching``): engine tokens
-  per busy second, continuous batching (a prompt admitted as room frees up, at most one
-  step's sequences in flight) against static batching (one step's prompts per blocking
-  call, waiting for the longest), same prompts and seeds (target >= 1.3x); with the decode
-  rate at several occupancies and the prefill rate: what `mcore-rl plan` needs as costs.
+  per busy second, continuous batching (a sequence admitted as another finishes, one step's
+  sequences in flight) against static batching (one step's prompts per blocking call,
+  waiting for the longest), on the same prompts (target >= 1.3x); with the decode rate at
+  several occupancies and the prefill rate: what `mcore-rl plan` needs as costs.
 """
 from __future__ import annotations
 
@@ -34,10 +35,15 @@ SCHEDULES = ("sync", "one_step_off", "async")
 TARGETS = {"engine_continuous_batching": 1.3, "one_step_off_vs_sync": 0.95, "async_vs_sync": 0.95}
 ENGINE = {
     "quickstart": {"prompts": 16, "occupancies": [1, 8, 32], "decode_tokens": 8},
-    "smollm2": {"prompts": 16, "occupancies": [1, 8, 16, 32, 64], "decode_tokens": 32},
+    "smollm2": {"prompts": 32, "occupancies": [1, 8, 16, 32, 64], "decode_tokens": 32},
 }
-"""The engine benchmark per size: prompts (four steps' worth at the size's prompts per step),
+"""The engine benchmark per size: prompts (four or eight steps' worth),
 occupancies of the decode-rate curve and the tokens decoded at each."""
+
+
+LENGTHS = {"smollm2": ["rollout.max_new_tokens=256"]}
+"""Natural lengths need room: the size's changes for this benchmark (SmolLM2's responses
+run long: up to 256 tokens)."""
 
 
 def parse_schedules(text: str) -> list[str]:
@@ -108,18 +114,22 @@ def bench_schedules(name: str, size, schedules: list[str], k: int, steps: int | 
     steps = steps or size.steps
     warmup = size.warmup if warmup is None else warmup
     config = _config_path(size.config)
-    base = load_config(str(config), size.overrides)
+    size_overrides = size.overrides + LENGTHS.get(name, [])
+    base = load_config(str(config), size_overrides)
     runs, overrides = {}, {}
     with tempfile.TemporaryDirectory(prefix=f"mcore-rl-bench-schedules-{name}-") as tmp:
         work = Path(tmp)
         for schedule in schedules:
-            overrides[schedule] = size.overrides + our_overrides(
+            overrides[schedule] = size_overrides + our_overrides(
                 base, steps, work / schedule, threads, dtype, fixed_lengths=False) + [
                 f"train.schedule={schedule}", f"train.max_staleness={staleness_k(schedule, k)}"]
             log(f"{name}: mcore-rl train, schedule {schedule}, {steps} steps")
-            runs[schedule] = run_ours(config, overrides[schedule], work / schedule)[warmup:]
+            # steady state: the warm-up steps and the last one (nothing is generated for a
+            # next step during it: an overlapping schedule's drain) are left out
+            runs[schedule] = run_ours(config, overrides[schedule], work / schedule)[warmup:-1]
             if not runs[schedule]:
-                raise RuntimeError("no steps left after the warm-up steps; raise --steps")
+                raise RuntimeError("no steps left after the warm-up steps and the last one; "
+                                   "raise --steps")
         log(f"{name}: engine, static against continuous batching")
         cfg = load_config(str(config), overrides["sync"])
         if cfg.model.path:

@@ -2,8 +2,9 @@
 update -> sync.
 
 Synchronous: the rollout engine and the trainer take turns. Colocated, the engine sleeps
-while the trainer updates, then wakes its weights for the sync and its KV cache for the
-next generation. Every phase is its own function in ``mcore_rl.rl.phases`` (``(state,
+while the trainer computes (log-probs and update), then wakes its weights for the sync and
+its KV cache for the next generation; under an overlapping schedule the engine generates
+only outside the trainer's turn, so the two never compete for the same devices. Every phase is its own function in ``mcore_rl.rl.phases`` (``(state,
 batch) -> batch``), so a later schedule can overlap them. Simplifications, on purpose: one
 rollout batch per step (no replay buffer); the reference model is frozen at the initial
 weights; KL is estimated per token from policy samples (k1/k3).
@@ -39,6 +40,8 @@ def rl_step(state: RunState) -> dict[str, float]:
 def learn(state: RunState, batch, timer: "PhaseTimer") -> dict[str, float]:
     """The rest of a step, from a scored rollout batch: log-probs, KL, values, advantages,
     the update and the weight sync; the step's metrics."""
+    with timer("engine_sleep"):  # colocated: the trainer's turn on the devices begins
+        phases.engine_sleep(state)
     with timer("logprobs"):
         batch = phases.old_logprobs(state, batch)
         batch = phases.reference_logprobs(state, batch)
@@ -49,7 +52,6 @@ def learn(state: RunState, batch, timer: "PhaseTimer") -> dict[str, float]:
     with timer("advantages"):
         batch = phases.advantages(state, batch)
     with timer("update"):
-        phases.engine_sleep(state)
         metrics = phases.update_actor(state, batch)
         metrics |= phases.update_critic(state, batch)
     with timer("sync"):
