@@ -12,8 +12,8 @@ an overlapping schedule has no next step to generate):
   graph runs it (``time/batch_interval``: with overlap, the time per trained batch);
   ``one_step_off_vs_sync`` and ``async_vs_sync`` compare them (target >= 0.95x);
 - **response lengths**: the median over steps of each step's p50 and p90, and the longest;
-- **idle and occupancy**: the trainer's share of a step spent waiting for its batch, the
-  engine's share spent generating (``time/generate``; ``async``: the step's wall time less
+- **idle and occupancy**: the trainer's share of the steps' wall time spent waiting for its
+  batch, the engine's share spent generating (``time/generate``; ``async``: the step's wall time less
   the rollout's idle seconds), the engine's mean batch occupancy (``async``), the largest
   token staleness;
 - **engine_continuous_batching** (``mcore_rl.benchmarks._engine_batching``): engine tokens
@@ -67,8 +67,14 @@ def _rate(steps: list[dict]) -> float:
 
 
 def _share(steps: list[dict], part) -> float | None:
-    values = [part(s) / s["step"] for s in steps if part(s) is not None]
-    return statistics.median(values) if values else None
+    """``part``'s share of the steps' wall time, over all of them together (the rollout
+    reports idle seconds with the groups that finish after them, so per step they come in
+    lumps), within [0, 1]."""
+    measured = [s for s in steps if part(s) is not None]
+    if not measured:
+        return None
+    share = sum(part(s) for s in measured) / sum(s["step"] for s in measured)
+    return min(1.0, max(0.0, share))
 
 
 def schedule_figures(schedule: str, steps: list[dict]) -> dict:

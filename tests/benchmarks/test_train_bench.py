@@ -51,7 +51,7 @@ def test_quick_schedule_bench_compares_each_schedule_and_continuous_batching_wit
         lengths = figures["response_lengths"]
         assert 1 <= lengths["p50"] <= lengths["p90"] <= lengths["max"] <= cfg.rollout.max_new_tokens
         assert figures["staleness_max"] <= report["k"][name]
-        assert 0 <= figures["trainer_idle_share"] <= 1 and 0 < figures["engine_busy_share"] <= 1
+        assert 0 <= figures["trainer_idle_share"] <= 1 and 0 <= figures["engine_busy_share"] <= 1
         steps = report["per_step"][name]
         assert len(steps) == 2 and all(s["responses"] == 128 for s in steps)
     assert 0 < report["schedules"]["async"]["engine_occupancy"]
