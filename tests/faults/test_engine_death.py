@@ -116,7 +116,7 @@ def test_no_engine_process_outlives_a_killed_trainer(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/quickstart.yaml", *RUN,
          "train.steps=500", f"logging.dir={tmp_path}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
     try:
         metrics = tmp_path / "metrics.jsonl"
         deadline = time.monotonic() + 240
@@ -135,4 +135,8 @@ def test_no_engine_process_outlives_a_killed_trainer(tmp_path):
         proc.wait()
     time.sleep(10)
     alive = [p.pid for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    try:  # Ray's own agents outlive a SIGKILLed driver for a minute or two: end them here
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     assert alive == [], f"engine processes {alive} outlived the trainer"
