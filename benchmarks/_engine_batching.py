@@ -43,7 +43,7 @@ def _prompts(cfg, count: int, model_dir: str):
     stream = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
     ids, _, _ = phases.encode_prompts(tokenizer, cfg, stream.take(count))
     seeds = [phases.request_seed(cfg.train.seed, 0, i) for i in range(len(ids))]
-    return model_dir, tokenizer, ids, seeds
+    return tokenizer, ids, seeds
 
 
 def static_batches(engine, ids, seeds, sampling, per_batch: int) -> dict:
@@ -52,8 +52,7 @@ def static_batches(engine, ids, seeds, sampling, per_batch: int) -> dict:
         rollouts = engine.generate(ids[start:start + per_batch], sampling,
                                    seeds=seeds[start:start + per_batch])
         lengths += [len(s.token_ids) for s in rollouts.samples]
-    return {"tokens": sum(lengths), "seconds": time.perf_counter() - t0, "lengths": lengths,
-            "mean_occupancy": None}
+    return {"tokens": sum(lengths), "seconds": time.perf_counter() - t0, "lengths": lengths}
 
 
 def continuous(engine, ids, seeds, sampling, capacity: int) -> dict:
@@ -103,7 +102,8 @@ def main(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(open(spec_path).read())
     cfg = load_config(spec["config"], spec["overrides"])
-    model_dir, tokenizer, ids, seeds = _prompts(cfg, spec["prompts"], spec["model_dir"])
+    model_dir = spec["model_dir"]
+    tokenizer, ids, seeds = _prompts(cfg, spec["prompts"], model_dir)
     sampling = sampling_from_config(cfg.rollout, stop_token_ids=[tokenizer.eos_id])
     positions = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
     longest = max(len(p) for p in ids) + cfg.rollout.max_new_tokens

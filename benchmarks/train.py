@@ -157,18 +157,22 @@ def run_trl(spec: dict, work: Path) -> list[dict]:
 _median = median_of
 
 
+def tokens_per_s(steps: list[dict]) -> float:
+    """The median over per-step records of tokens over the step's wall time."""
+    return statistics.median(s["tokens"] / s["step"] for s in steps)
+
+
 def compare(ours: list[dict], trl: list[dict], warmup: int) -> dict:
     ours, trl = ours[warmup:], trl[warmup:]
     if not ours or not trl:
         raise RuntimeError("no steps left after the warm-up steps; raise --steps")
-    rate = lambda steps: statistics.median(s["tokens"] / s["step"] for s in steps)  # noqa: E731
     return {
         "steps_measured": {"ours": len(ours), "baseline": len(trl)},
         "tokens_per_step": {"ours": _median(ours, "tokens"), "baseline": _median(trl, "tokens"),
                             "unit": "tokens"},
         "responses_per_step": {"ours": _median(ours, "responses"), "baseline": _median(trl, "responses"),
                                "unit": "responses"},
-        "tokens_per_s": throughput_comparison(rate(ours), rate(trl), "tokens/s"),
+        "tokens_per_s": throughput_comparison(tokens_per_s(ours), tokens_per_s(trl), "tokens/s"),
         "step_time": time_comparison(_median(ours, "step"), _median(trl, "step")),
         "phases": {p: time_comparison(_median(ours, p), _median(trl, p)) for p in PHASES},
         "ours_only": {"sync_s": _median(ours, "sync"), "values_s": _median(ours, "values")},

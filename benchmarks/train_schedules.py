@@ -62,10 +62,6 @@ def staleness_k(schedule: str, k: int) -> int:
     return {"sync": 0, "one_step_off": 1}.get(schedule, k)
 
 
-def _rate(steps: list[dict]) -> float:
-    return statistics.median(s["tokens"] / s["step"] for s in steps)
-
-
 def _share(steps: list[dict], part) -> float | None:
     """``part``'s share of the steps' wall time, over all of them together (the rollout
     reports idle seconds with the groups that finish after them, so per step they come in
@@ -79,11 +75,13 @@ def _share(steps: list[dict], part) -> float | None:
 
 def schedule_figures(schedule: str, steps: list[dict]) -> dict:
     """Throughput, lengths, idle and occupancy of one schedule's measured steps."""
+    from mcore_rl.benchmarks.train import tokens_per_s
+
     busy = (lambda s: s["step"] - s["engine_idle_s"] if "engine_idle_s" in s else None) \
         if schedule == "async" else (lambda s: s["generate"])
     occupancy = [s["engine_occupancy"] for s in steps if "engine_occupancy" in s]
     return {
-        "tokens_per_s": _rate(steps),
+        "tokens_per_s": tokens_per_s(steps),
         "step_s": statistics.median(s["step"] for s in steps),
         "response_lengths": {
             "p50": statistics.median(s["length_p50"] for s in steps),

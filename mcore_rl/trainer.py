@@ -4,8 +4,9 @@ update -> sync.
 Synchronous: the rollout engine and the trainer take turns. Colocated, the engine sleeps
 while the trainer computes (log-probs and update), then wakes its weights for the sync and
 its KV cache for the next generation; under an overlapping schedule the engine generates
-only outside the trainer's turn, so the two never compete for the same devices. Every phase is its own function in ``mcore_rl.rl.phases`` (``(state,
-batch) -> batch``), so a later schedule can overlap them. Simplifications, on purpose: one
+only outside the trainer's turn, so the two never compete for the same devices. Every
+phase is its own function in ``mcore_rl.rl.phases`` (``(state, batch) -> batch``), so a
+later schedule can overlap them. Simplifications, on purpose: one
 rollout batch per step (no replay buffer); the reference model is frozen at the initial
 weights; KL is estimated per token from policy samples (k1/k3).
 """

@@ -240,13 +240,15 @@ class Train:
     def _check_once(self, batch: Batch) -> None:
         """Every prompt group reaches the trainer once: a group in two batches, or twice in
         one (more rows than samples per prompt), is a bug upstream, never trained on."""
-        keys = [tuple(k) for k in batch.meta["group_key"]]
+        from collections import Counter
+
+        rows = Counter(tuple(k) for k in batch.meta["group_key"])
         n = self.state.cfg.rollout.n_samples_per_prompt
-        for key in dict.fromkeys(keys):
-            if key in self.groups_seen or keys.count(key) > n:
+        for key, count in rows.items():
+            if key in self.groups_seen or count > n:
                 raise RuntimeError(f"prompt group {key} (step, index) reached the trainer twice; "
                                    "a rollout handed it on more than once")
-        self.groups_seen.update(keys)
+        self.groups_seen.update(rows)
 
     def close(self) -> None:
         from mcore_rl.trainer import finish
