@@ -5,7 +5,8 @@ SPEC (JSON): ``config`` and ``overrides`` (the run's config: prompts, sampling, 
 ``model_dir`` (the HF checkpoint the runs started from),
 ``prompts`` (how many of the task's training prompts), ``static_prompts`` (prompts per
 static batch: a step's), ``capacity`` (sequences the continuous engine keeps in flight),
-``occupancies`` and ``decode_tokens`` (the decode-rate curve).
+``occupancies`` and ``decode_tokens`` (the decode-rate curve), optionally ``modes`` (which
+of static, continuous and decode to run; all three by default).
 
 One in-process vLLM engine (the run's precision, model and sampling: natural lengths,
 stop at end-of-sequence) measures, on the same prompts (the samples' seeds differ between
@@ -33,6 +34,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+MODES = ("static", "continuous", "decode")
 
 def _prompts(cfg, count: int, model_dir: str):
     from mcore_rl.data.prompts import PromptStream, load_prompt_records
@@ -74,7 +76,7 @@ def continuous(engine, ids, seeds, sampling, capacity: int) -> dict:
         for _, samples in engine.step():
             lengths += [len(s.token_ids) for s in samples]
     return {"tokens": sum(lengths), "seconds": time.perf_counter() - t0, "lengths": lengths,
-            "mean_occupancy": statistics.mean(occupancy)}
+            "mean_occupancy": statistics.mean(occupancy), "capacity": capacity}
 
 
 def decode_curve(engine, ids, sampling, occupancies: list[int], tokens: int) -> dict:
@@ -110,10 +112,14 @@ def main(spec_path: str, out_path: str) -> None:
     engine = build_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, seed=cfg.train.seed,
                                   max_model_len=min(positions, longest), in_process=True)
     engine.generate(ids[:1], sampling, seeds=seeds[:1])  # warm-up: first-call costs
-    out = {"static": static_batches(engine, ids, seeds, sampling, spec["static_prompts"]),
-           "continuous": continuous(engine, ids, seeds, sampling, spec["capacity"]),
-           "decode": decode_curve(engine, ids, sampling, spec["occupancies"], spec["decode_tokens"]),
-           "prompt_tokens_mean": statistics.mean(len(p) for p in ids)}
+    modes = spec.get("modes", MODES)
+    out = {"prompt_tokens_mean": statistics.mean(len(p) for p in ids)}
+    if "static" in modes:
+        out["static"] = static_batches(engine, ids, seeds, sampling, spec["static_prompts"])
+    if "continuous" in modes:
+        out["continuous"] = continuous(engine, ids, seeds, sampling, spec["capacity"])
+    if "decode" in modes:
+        out["decode"] = decode_curve(engine, ids, sampling, spec["occupancies"], spec["decode_tokens"])
     engine.close()
     with open(out_path, "w") as f:
         json.dump(out, f)

@@ -110,6 +110,7 @@ def run_ours(config: Path, overrides: list[str], log_dir: Path) -> list[dict]:
                       **{p: sum(r.get(f"time/{m}", 0.0) for m in OUR_PHASES.get(p, (p,)))
                          for p in PHASES},
                       "values": r.get("time/values", 0.0), "sync": r.get("time/sync", 0.0),
+                      "engine_sleep": r.get("time/engine_sleep", 0.0),
                       "tokens": r["perf/tokens"], "responses": r["perf/responses"],
                       **{key: r[metric] for key, metric in SCHEDULE_METRICS.items() if metric in r}})
     return steps

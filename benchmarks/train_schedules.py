@@ -17,10 +17,10 @@ an overlapping schedule has no next step to generate):
   the rollout's idle seconds), the engine's mean batch occupancy (``async``), the largest
   token staleness;
 - **engine_continuous_batching** (``mcore_rl.benchmarks._engine_batching``): engine tokens
-  per busy second, continuous batching (a sequence admitted as another finishes, one step's
-  sequences in flight) against static batching (one step's prompts per blocking call,
-  waiting for the longest), on the same prompts (target >= 1.3x); with the decode rate at
-  several occupancies and the prefill rate: what `mcore-rl plan` needs as costs.
+  per busy second, continuous batching (a sequence admitted as another finishes, up to the
+  K+1 steps' sequences that the async schedule admits at ``--k``) against static batching
+  (one step's prompts per blocking call, waiting for the longest), on the same prompts
+  (target >= 1.3x); with the decode rate at several occupancies and the prefill rate.
 """
 from __future__ import annotations
 
@@ -94,6 +94,12 @@ def schedule_figures(schedule: str, steps: list[dict]) -> dict:
     }
 
 
+def continuous_capacity(cfg, k: int) -> int:
+    """Sequences the continuous engine may hold: those of the K+1 steps of prompt groups that
+    the async schedule admits at once."""
+    return (k + 1) * cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
+
+
 def engine_batching(out: dict) -> dict:
     """The continuous-batching comparison of the engine benchmark's output."""
     rate = {mode: out[mode]["tokens"] / out[mode]["seconds"] for mode in ("static", "continuous")}
@@ -104,6 +110,7 @@ def engine_batching(out: dict) -> dict:
                                  "p90": lengths[int(0.9 * (len(lengths) - 1))],
                                  "max": lengths[-1]},
             "continuous_mean_occupancy": out["continuous"]["mean_occupancy"],
+            "continuous_capacity": out["continuous"]["capacity"],
             "decode_tokens_per_s": dict(zip(map(str, out["decode"]["occupancy"]),
                                             out["decode"]["tokens_per_s"])),
             "prefill_tokens_per_s": out["decode"]["prefill_tokens_per_s"],
@@ -146,7 +153,7 @@ def bench_schedules(name: str, size, schedules: list[str], k: int, steps: int | 
             "mcore_rl.benchmarks._engine_batching",
             {"config": str(config), "overrides": overrides["sync"], "model_dir": str(model_dir),
              "static_prompts": cfg.data.prompts_per_step,
-             "capacity": cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt,
+             "capacity": continuous_capacity(cfg, k),
              **ENGINE[name]}, work, "engine", "the engine batching benchmark")
     figures = {s: schedule_figures(s, runs[s]) for s in schedules}
     batching = engine_batching(engine)

@@ -1,5 +1,6 @@
 """`mcore-rl plan --costs FILE --devices 8,64`: what each schedule (sync, one_step_off,
-async at each K) would make of a device budget, simulated on a virtual clock from
+async at each K) would make of a device budget, split between engines and trainer or shared
+by both in turns (``--placement``), simulated on a virtual clock from
 per-phase costs (`mcore_rl.plan`). Prints one table per device count and, with ``--out``,
 writes the rows as JSON (to a temporary file, then renamed: never half a file).
 
@@ -58,23 +59,29 @@ def run(args) -> int:
     devices = parse_list("--devices", args.devices, int, "8,64")
     shares = parse_list("--engine-share", args.engine_share, float, "0.5,0.75")
     ks = parse_list("--k", args.k, int, "0,1,2")
+    placements = [p.strip() for p in args.placement.split(",") if p.strip()]
+    if not placements or any(p not in ("separate", "colocated") for p in placements):
+        raise UsageError(f"--placement {args.placement!r}: give separate, colocated or both, "
+                         "comma-separated")
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: give an integer >= 1")
     check_out(args.out)
     for count in devices:  # every split is checked before the first simulation
-        for share in shares:
-            split_devices(costs, count, share, args.efficiency)
+        for placement in placements:
+            for share in shares:
+                split_devices(costs, count, share, args.efficiency, placement)
     tables, rows = [], []
     for count in devices:
         found = plan_for_devices(costs, count, shares, ks=ks, on_stale=args.on_stale,
                                  partial=args.partial, steps=args.steps, seed=args.seed,
-                                 efficiency=args.efficiency)
+                                 efficiency=args.efficiency, placements=placements)
         tables.append(f"{count} devices:\n{format_table(found)}")
         rows += [{"devices": count, **row} for row in found]
     print("\n\n".join(tables))
     if args.out:
         write_json_atomic(args.out, {"costs": costs.to_dict(), "devices": devices,
-                              "engine_share": shares, "k": ks, "steps": args.steps,
+                              "engine_share": shares, "placement": placements, "k": ks,
+                              "steps": args.steps,
                               "seed": args.seed, "efficiency": args.efficiency,
                               "on_stale": args.on_stale, "partial": args.partial,
                               "rows": rows})
@@ -92,6 +99,10 @@ def register(subparsers) -> None:
     p.add_argument("--engine-share", default="0.5",
                    help="fractions of the devices for engine replicas, comma-separated "
                         "(default 0.5)")
+    p.add_argument("--placement", default="separate",
+                   help="separate (engines and trainer on disjoint devices, split by "
+                        "--engine-share), colocated (both on every device, in turns), or both "
+                        "comma-separated (default separate)")
     p.add_argument("--k", default="1,2",
                    help="max staleness K of async, comma-separated (default 1,2)")
     p.add_argument("--steps", type=int, default=40, help="trainer steps simulated (default 40)")

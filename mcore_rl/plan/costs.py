@@ -103,7 +103,11 @@ class CostModel:
     sync_s: float = 0.0
     """One weight sync: every engine pauses this long to take the new weights."""
     update_overhead_s: float = 0.0
-    """Fixed seconds per trainer step (optimizer step, logging, ...)."""
+    """Fixed seconds per trainer update (optimizer step, per-call costs of the log-prob and
+    update passes): colocated, the engines are stopped meanwhile."""
+    step_overhead_s: float = 0.0
+    """Fixed seconds per trainer step before its update (the batch's hand-offs between
+    controllers, its assembly): the trainer is busy, the engines are not stopped."""
     reward_s_per_group: float = 0.0
     """Seconds the reward takes per prompt group."""
     response_lengths: LengthDistribution = field(default_factory=LengthDistribution)
@@ -130,7 +134,7 @@ class CostModel:
             raise UsageError(f"decode_occupancy={list(occ)} must be strictly ascending")
         for name in ("prefill_tokens_per_s", "update_tokens_per_s"):
             _check_number(name, getattr(self, name), low=0.0, open_low=True)
-        for name in ("sync_s", "update_overhead_s", "reward_s_per_group"):
+        for name in ("sync_s", "update_overhead_s", "step_overhead_s", "reward_s_per_group"):
             _check_number(name, getattr(self, name), low=0.0)
         _check_int("prompt_tokens", self.prompt_tokens, low=0)
         for name in ("n_samples", "prompts_per_step", "trainer_devices", "devices_per_replica"):

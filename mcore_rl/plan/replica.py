@@ -12,6 +12,9 @@ batch (a sample ending, a group joining, a weight sync) every step takes the sam
 the chunk is planned whole and cut short when something happens in between. Tokens are
 counted lazily: a sequence is (start step, end step) on the replica's step counter, and
 ``marks`` says which weight version generated which steps.
+
+Colocated, the trainer's turn stops a replica (`request_pause`) at its next step boundary
+(static: once its batch ended) until the weight sync that ends the turn.
 """
 from __future__ import annotations
 
@@ -50,10 +53,11 @@ class Replica:
         self.version = 1
         self.marks: list[tuple[int, int]] = [(0, 1)]  # (first step, version) of each version
         self.prefill_tokens = 0.0  # charged to the next step
-        self.state = "idle"  # idle | stepping | syncing
+        self.state = "idle"  # idle | stepping | syncing | paused
         self.chunk = (0.0, 0.0, 0.0, 0)  # start, first step's seconds, step seconds, steps
         self.token = 0  # invalidates a chunk's end event when the chunk is cut short
         self.sync_to: int | None = None  # a sync waiting for the next boundary
+        self.pause_asked = False  # colocated: the trainer's turn waits for this replica
         self.counter = 0
 
     # ----- load -----------------------------------------------------------------------
@@ -67,17 +71,24 @@ class Replica:
 
     def takes_batch(self) -> bool:
         """Static: free for the next step's groups (a pending sync goes first)."""
-        return not self.batch and self.state != "syncing" and self.sync_to is None
+        return not self.batch and self.state not in ("syncing", "paused") \
+            and self.sync_to is None and not self.pause_asked
 
     # ----- events from outside ------------------------------------------------------------
     def wake(self, t: float) -> None:
         """Groups were assigned, or a sync asked for: act at the next step boundary (if they
         were not taken at one already)."""
-        if self.state == "idle":
+        if self.state == "idle" or (self.state == "paused" and self.sync_to is not None):
             self._next(t)
         elif self.state == "stepping" and not self.static and \
-                (self.inbox or self.sync_to is not None):
+                (self.inbox or self.sync_to is not None or self.pause_asked):
             self._cut_chunk(t)
+
+    def request_pause(self, t: float) -> None:
+        """Colocated: the trainer's turn begins; stop at the next step boundary (static: once
+        the batch ends) and stay stopped until the weight sync."""
+        self.pause_asked = True
+        self.wake(t)
 
     def request_sync(self, t: float, version: int) -> None:
         """New weights: applied between two steps (static: once the batch ends, since a
@@ -88,8 +99,13 @@ class Replica:
     # ----- stepping -----------------------------------------------------------------------
     def _next(self, t: float) -> None:
         if self.sync_to is not None and not (self.static and self.batch):
-            self.state = "syncing"
+            self.state, self.pause_asked = "syncing", False
             self.sim.at(t + self.costs.sync_s, self._sync_end, t)
+            return
+        if self.pause_asked and not (self.static and self.batch):
+            if self.state != "paused":
+                self.state = "paused"
+                self.sim.paused(t)
             return
         self.sim.offer(t, taker=self)  # room may have freed up, or the batch ended
         while self.inbox and len(self.running) + self.inbox[0].n <= self.costs.max_seqs_per_replica:

@@ -5,8 +5,9 @@ pipeline filling: K+1 steps) and the end of the last step before the ``drain`` (
 steps, which lack the work of steps that never come), on at most a quarter of the steps
 each. Staleness counts every consumed group.
 
-``groups`` and ``step_records`` hold the run's detail (``to_dict(detail=True)``): what
-happened to every group, and which groups each step trained on.
+``groups``, ``step_records`` and ``engine_busy`` hold the run's detail
+(``to_dict(detail=True)``): what happened to every group, which groups each step trained
+on, and when each engine ran.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ class StepRecord:
     taken_at: float
     groups: tuple[int, ...]
     tokens: int
+    turn_at: float = 0.0
+    """When its update began: after ``step_overhead_s`` and, colocated, once every engine
+    had stopped."""
     updated_at: float = 0.0
     ended_at: float = 0.0
     version: int = 0
@@ -46,6 +50,9 @@ class Timeline:
     def step_taken(self, t: float, batch: list[Group]) -> None:
         self.steps.append(StepRecord(len(self.steps) + 1, t, tuple(g.gid for g in batch),
                                      sum(g.tokens for g in batch)))
+
+    def turn_began(self, t: float) -> None:
+        self.steps[-1].turn_at = t
 
     def step_updated(self, t: float) -> None:
         self.steps[-1].updated_at = t
@@ -99,12 +106,15 @@ class SimResult:
     groups: list[GroupRecord] = field(repr=False)
     """Per admitted group, by ``gid``: trained (``consumed_step``) or ``dropped``, with the
     weight version of its response tokens (``token_staleness``)."""
+    engine_busy: list[list[tuple[float, float, int, int]]] = field(default_factory=list, repr=False)
+    """Per replica: (start, end, occupancy, engine steps) of each stretch of steps, and
+    (start, end, 0, 0) of each weight sync."""
 
     def to_dict(self, detail: bool = False) -> dict:
         """Plain data (JSON); ``detail`` adds the per-step and per-group records."""
         out = asdict(self)
         if not detail:
-            del out["step_records"], out["groups"]
+            del out["step_records"], out["groups"], out["engine_busy"]
         return out
 
 
@@ -148,7 +158,7 @@ def summarize(sim) -> SimResult:
         partial_continued=sim.partial_continued, partial_restarted=sim.partial_restarted,
         empty_batches=sim.empty_batches, steps=n, total_time_s=sim.now,
         window_s=(start, end), step_times_s=[b - a for a, b in zip(ends, ends[1:])],
-        step_records=steps, groups=groups)
+        step_records=steps, groups=groups, engine_busy=sim.timeline.engine)
 
 
 def _overlap(a: float, b: float, lo: float, hi: float) -> float:

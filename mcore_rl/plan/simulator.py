@@ -20,9 +20,16 @@ The rules are the runtime's (`mcore_rl.api.rl_graph`, `mcore_rl.api.continuous`,
 - one reward worker scores groups in arrival order (``reward_s_per_group`` each);
 - the trainer takes P groups in arrival order, drops those more than K versions older than
   the weights it updates, and updates on the rest, put back in feed order (a batch with
-  nothing left is no step); the step ends when every replica has the new weights.
+  nothing left is no step): ``step_overhead_s``, then the update; the step ends when every
+  replica has the new weights.
   ``on_stale: regenerate`` does not stop this check: a group that ages past K in the
-  queues after leaving its replica is dropped too.
+  queues after leaving its replica is dropped too;
+- ``placement: colocated`` (engines and trainer take turns on the same devices, as
+  ``rollout.placement: colocated`` runs them): the trainer's turn begins when every replica
+  has stopped at a step boundary (a static replica: once its batch has ended, since a
+  ``generate`` call holds the engine to its end), and lasts through the update and the
+  weight sync; a continuous replica's responses in flight then go on as after any sync.
+  ``separate``: the engines never wait for the trainer.
 
 Every group trained on or dropped leaves a `GroupRecord` (``SimResult.groups``: its step or
 drop, and the weight version of each of its response tokens); ``SimResult.step_records``
@@ -46,6 +53,7 @@ from mcore_rl.plan.replica import Replica
 from mcore_rl.plan.result import Timeline, SimResult, summarize
 
 SCHEDULES = ("sync", "one_step_off", "async")
+PLACEMENTS = ("separate", "colocated")
 MAX_EVENTS = 20_000_000
 """A guard against a simulation that never ends (a bug, not a workload)."""
 
@@ -91,10 +99,12 @@ def _is_number(value) -> bool:
 
 def simulate(costs: CostModel, schedule: str = "async", k: int = 1, replicas: int = 1,
              on_stale: str = "drop", partial: str = "continue", steps: int = 20, seed: int = 0,
-             delays: Delays | None = None) -> SimResult:
+             delays: Delays | None = None, placement: str = "separate") -> SimResult:
     """Run the graph for ``steps`` x P prompt groups; its `SimResult`."""
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if placement not in PLACEMENTS:
+        raise UsageError(f"placement={placement!r}: choose one of {', '.join(PLACEMENTS)}")
     k = {"sync": 0, "one_step_off": 1}.get(schedule, k)
     if not _is_int(k) or k < 0:
         raise UsageError(f"k={k!r} must be an integer >= 0 (the max staleness)")
@@ -107,7 +117,7 @@ def simulate(costs: CostModel, schedule: str = "async", k: int = 1, replicas: in
     if delays is not None and not isinstance(delays, Delays):
         raise UsageError(f"delays={delays!r}: give a Delays (or None)")
     sim = Simulation(costs, schedule, k, replicas, on_stale, partial, steps, seed,
-                     delays or Delays())
+                     delays or Delays(), colocated=placement == "colocated")
     sim.run()
     return summarize(sim)
 
@@ -116,9 +126,11 @@ class Simulation:
     """The graph's state and its event loop (see the module doc)."""
 
     def __init__(self, costs: CostModel, schedule: str, k: int, replicas: int, on_stale: str,
-                 partial: str, steps: int, seed: int, delays: Delays):
+                 partial: str, steps: int, seed: int, delays: Delays, colocated: bool = False):
         self.costs, self.schedule, self.k, self.on_stale, self.partial = \
             costs, schedule, k, on_stale, partial
+        self.colocated = colocated
+        self.pending_pauses = 0
         self.delays, self.total = delays, steps * costs.prompts_per_step
         self.draw = costs.response_lengths.sampler(random.Random(seed))
         slow = delays.replica_slowdown
@@ -250,10 +262,30 @@ class Simulation:
             self.at(t, lambda now: self._train_next(now))
             return
         self.trainer_busy, self.batch_dropped = True, stale
-        extra = self.delays.update_extra_s
+        self.timeline.step_taken(t, self.batch)
+        self.at(t + self.costs.step_overhead_s, self._turn)
+
+    def _turn(self, t: float) -> None:
+        """The trainer's update (after the step's fixed costs); colocated, it waits for
+        every engine to stop first."""
+        if self.colocated:  # the trainer's turn on the devices: every engine stops first
+            self.pending_pauses = len(self.replicas)
+            for replica in self.replicas:
+                self.at(t, replica.request_pause)
+        else:
+            self._update(t)
+
+    def paused(self, t: float) -> None:
+        """Colocated: one replica has stopped; the update begins when the last one has."""
+        self.pending_pauses -= 1
+        if not self.pending_pauses:
+            self._update(t)
+
+    def _update(self, t: float) -> None:
+        self.timeline.turn_began(t)
+        step, extra = self.timeline.steps_done, self.delays.update_extra_s
         update_s = (sum(g.tokens for g in self.batch) / self.costs.update_tokens_per_s
                     + self.costs.update_overhead_s + (extra[(step - 1) % len(extra)] if extra else 0.0))
-        self.timeline.step_taken(t, self.batch)
         self.at(t + update_s, self._updated)
 
     def _updated(self, t: float) -> None:

@@ -56,7 +56,9 @@ def test_quick_schedule_bench_compares_each_schedule_and_continuous_batching_wit
         assert len(steps) == 2 and all(s["responses"] == 128 for s in steps)
     assert 0 < report["schedules"]["async"]["engine_occupancy"]
     engine = report["engine"]
-    capacity = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    # continuous batching holds what async admits at K=2: three steps' sequences
+    capacity = 3 * cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    assert engine["continuous_capacity"] == capacity
     assert 0 < engine["continuous_mean_occupancy"] <= capacity
     assert set(engine["decode_tokens_per_s"]) == {"1", "8", "32"}
 

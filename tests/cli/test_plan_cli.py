@@ -48,6 +48,21 @@ def test_plan_prints_a_table_per_device_count_and_writes_the_rows(costs_file, tm
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
 
 
+def test_colocated_placement_runs_every_replica_and_the_trainer_on_every_device(costs_file,
+                                                                                tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--costs", str(costs_file), "--devices", "4", "--placement",
+                 "separate,colocated", "--k", "2", "--steps", "6", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    colocated = [r for r in rows if r["placement"] == "colocated"]
+    separate = [r for r in rows if r["placement"] == "separate"]
+    assert len(colocated) == len(separate) == 3  # sync, one_step_off, async at K=2
+    for row in colocated:
+        assert row["engine_replicas"] == row["engine_devices"] == row["trainer_devices"] == 4
+    for row in separate:
+        assert row["engine_devices"] == row["trainer_devices"] == 2
+
+
 def test_the_example_costs_load_and_plan(tmp_path, capsys):
     costs = CostModel.from_dict(json.loads(EXAMPLE.read_text()))
     assert costs.response_lengths.kind == "longtail"
@@ -64,6 +79,7 @@ def test_the_example_costs_load_and_plan(tmp_path, capsys):
     (SMALL, ["--devices", "8,x"], "--devices '8,x': give comma-separated integers"),
     (SMALL, ["--engine-share", "1.0"], "engine_share=1.0 must be in (0, 1)"),
     (SMALL, ["--k", "-1"], "K=-1 must be an integer >= 0"),
+    (SMALL, ["--placement", "shared"], "--placement 'shared': give separate, colocated or both"),
     (SMALL, ["--out", "{dir}/no/such/dir/plan.json"], "does not exist; create it first"),
 ])
 def test_bad_input_is_one_line_and_exit_2(change, argv, message, tmp_path, capsys):

@@ -1,7 +1,8 @@
 """The planner's simulator (`mcore_rl.plan`) against the staleness contract, under adversarial
 delays drawn by hypothesis: response lengths with very long tails, slow rewards and updates,
 replicas slowed down (one of them very much), every schedule, K in 0..3, 1 to 3 replicas,
-``on_stale`` drop / regenerate, ``partial`` continue / abort.
+``on_stale`` drop / regenerate, ``partial`` continue / abort, engines beside the trainer or
+taking turns with it (``placement``).
 
 Properties (each read off the per-group and per-step records, `SimResult.groups` and
 `SimResult.step_records`):
@@ -14,7 +15,8 @@ Properties (each read off the per-group and per-step records, `SimResult.groups`
 - ``on_stale: regenerate`` regenerates exactly when, and only what, ``drop`` lets leave a
   replica over the bound (the two runs are the same until then); it drops only groups that
   aged past K in the queues after leaving their replica; the static schedules drop and
-  regenerate nothing.
+  regenerate nothing;
+- colocated, no engine steps while the trainer updates.
 
 Hypothesis is steered (``target``) towards runs whose groups age past K, where the contract
 has work to do.
@@ -54,6 +56,7 @@ def costs(draw) -> CostModel:
     return CostModel(**{**BASE, "n_samples": n, "prompts_per_step": p,
                         "max_seqs_per_replica": draw(st.integers(n, 3 * n * p)),
                         "sync_s": draw(st.sampled_from([0.0, 0.3, 5.0])),
+                        "step_overhead_s": draw(st.sampled_from([0.0, 0.2])),
                         "prompt_tokens": draw(st.sampled_from([0, 16, 500]))})
 
 
@@ -87,6 +90,7 @@ runs = st.fixed_dictionaries({
     "k": st.sampled_from([0, 1, 1, 2, 3]), "replicas": st.integers(1, 3),
     "on_stale": st.sampled_from(["drop", "regenerate"]),
     "partial": st.sampled_from(["continue", "abort"]), "steps": st.integers(1, 8),
+    "placement": st.sampled_from(["separate", "colocated"]),
     "seed": st.integers(0, 2 ** 16)})
 
 
@@ -211,6 +215,18 @@ def test_regenerate_acts_exactly_on_groups_over_the_bound_at_the_engine(c, d, ru
     if dropping.schedule != "async":  # a static batch is generated with one version
         assert dropping.groups_dropped == regenerating.groups_dropped == 0
         assert regenerating.groups_regenerated == 0
+
+
+@EXAMPLES
+@given(costs(), delays, runs)
+def test_colocated_engines_never_step_during_the_trainers_turn(c, d, run):
+    result = simulate(c, delays=d, **{**run, "placement": "colocated"})
+    turns = [(s.turn_at, s.updated_at) for s in result.step_records]
+    for intervals in result.engine_busy:
+        for start, end, occupancy, steps in intervals:
+            if steps:  # engine steps (a sync, steps 0, ends the turn)
+                assert all(end <= a + 1e-9 or start >= b - 1e-9 for a, b in turns), \
+                    (start, end, turns)
 
 
 # ----- hand-checked numbers -----------------------------------------------------------------
