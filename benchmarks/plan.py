@@ -62,6 +62,8 @@ def predictions(report: dict) -> dict:
     from mcore_rl.plan.calibrate import calibrated_costs, predicted_tokens_per_s, trainer_costs
 
     s = report["settings"]
+    if not report["runs"]:
+        raise ValueError("it holds no held-out runs")
     steps = [step for run in report["calibration"]["trainer"] for step in run["steps"]]
     trainer = trainer_costs(steps, s["prompts_per_step"])
     report["costs"], records = {}, {}
@@ -157,14 +159,15 @@ def calibrate_and_run(size_name: str, caps: list[int], cal_lengths: list[int],
             "calibration": calibration, "runs": runs}
 
 
-def _ints(option: str, text: str) -> list[int]:
+def _ints(option: str, text: str, low: int = 1) -> list[int]:
+    """Distinct integers >= ``low``, in the order given."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
-        raise UsageError(f"{option} {text!r}: give comma-separated integers >= 1")
-    return values
+    if not values or min(values) < low:
+        raise UsageError(f"{option} {text!r}: give comma-separated integers >= {low}")
+    return list(dict.fromkeys(values))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report = json.loads(path.read_text())
             report = predictions(report)
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:  # JSON errors too
             raise UsageError(f"--replay {args.replay} is not a `bench plan` output "
                              f"({type(err).__name__}: {err})") from None
     else:
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [s for s in schedules if s not in SCHEDULES]
         if unknown or not schedules:
             raise UsageError(f"--schedule {args.schedule!r}: choose among {', '.join(SCHEDULES)}")
-        ks = _ints("--k", args.k)
+        ks = _ints("--k", args.k, low=0)
         steps = args.steps or defaults["steps"]
         if args.warmup < 1 or steps - args.warmup < 2:
             raise UsageError(f"--steps {steps} --warmup {args.warmup}: keep --warmup >= 1 (the "

@@ -94,21 +94,26 @@ def calibrated_costs(engine: dict, trainer: TrainerCosts, cap: int, prompts_per_
 
 
 def predicted_tokens_per_s(costs: CostModel, schedule: str, k: int, steps: int, warmup: int,
-                           placement: str = "colocated", replicas: int = 1,
+                           placement: str = "separate", replicas: int = 1,
                            partial: str = "continue", on_stale: str = "drop",
                            seeds: int = 5) -> float:
     """What `mcore-rl bench train --schedule` would report for the run: the median over steps
     ``warmup + 1 .. steps - 1`` (the warm-up steps and the last one left out) of a step's
-    tokens over its wall time, averaged over ``seeds`` draws of the response lengths."""
-    if steps - warmup < 2:
-        raise UsageError(f"steps={steps}, warmup={warmup}: no step between the warm-up and "
-                         "the last one")
+    tokens over its wall time, averaged over ``seeds`` draws of the response lengths. (A
+    simulated batch too stale to train on is no step, where a real run trains on until it
+    has ``steps`` steps: with drops the two windows may differ by a step.)"""
+    if warmup < 1 or steps - warmup < 2:
+        raise UsageError(f"steps={steps}, warmup={warmup}: keep warmup >= 1 (a run's first "
+                         "step has no interval) and a step between it and the last one")
     figures = []
     for seed in range(seeds):
         result = simulate(costs, schedule, k=k, replicas=replicas, on_stale=on_stale,
                           partial=partial, steps=steps, seed=seed, placement=placement)
         records = result.step_records
         ends = [0.0] + [r.ended_at for r in records]
-        rates = [r.tokens / (ends[i + 1] - ends[i]) for i, r in enumerate(records)]
-        figures.append(statistics.median(rates[warmup:-1]))
+        rates = [r.tokens / (ends[i + 1] - ends[i]) for i, r in enumerate(records)][warmup:-1]
+        if not rates:  # batches with nothing young enough are no steps: fewer than asked
+            raise UsageError(f"the simulated run took {len(records)} steps of {steps}: none "
+                             "left after the warm-up; raise the steps")
+        figures.append(statistics.median(rates))
     return statistics.mean(figures)

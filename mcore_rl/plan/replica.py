@@ -41,7 +41,7 @@ class Seq:
 
 class Replica:
     """See the module doc. ``sim`` provides the clock (``at``), the costs and the hand-offs
-    (``emit``, ``synced``, ``offer``)."""
+    (``emit``, ``synced``, ``paused``, ``offer``)."""
 
     def __init__(self, index: int, sim, static: bool, slowdown: float = 1.0):
         self.index, self.sim, self.static, self.slowdown = index, sim, static, slowdown
@@ -70,14 +70,14 @@ class Replica:
         return self.load + group.n <= self.costs.max_seqs_per_replica
 
     def takes_batch(self) -> bool:
-        """Static: free for the next step's groups (a pending sync goes first)."""
+        """Static: free for the next step's groups (a pending sync or pause goes first)."""
         return not self.batch and self.state not in ("syncing", "paused") \
             and self.sync_to is None and not self.pause_asked
 
     # ----- events from outside ------------------------------------------------------------
     def wake(self, t: float) -> None:
-        """Groups were assigned, or a sync asked for: act at the next step boundary (if they
-        were not taken at one already)."""
+        """Groups were assigned, or a sync or (colocated) a pause asked for: act at the next
+        step boundary (if they were not taken at one already)."""
         if self.state == "idle" or (self.state == "paused" and self.sync_to is not None):
             self._next(t)
         elif self.state == "stepping" and not self.static and \

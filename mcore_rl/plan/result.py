@@ -84,9 +84,11 @@ class SimResult:
     engine_occupancy: float
     """Mean sequences in flight per engine step."""
     engine_idle_fraction: float
-    """Time the engines had nothing to run (syncs count as busy), averaged over replicas."""
+    """Time the engines were not stepping or syncing, averaged over replicas: nothing to run,
+    or (colocated) stopped for the trainer's turn."""
     trainer_idle_fraction: float
-    """Time the trainer waited for groups (update and sync count as busy)."""
+    """Time the trainer waited for groups: it is busy from taking a batch to the end of its
+    sync (colocated, waiting for the engines to stop counts as busy)."""
     groups_admitted: int
     groups_trained: int
     groups_dropped: int

@@ -46,8 +46,10 @@ def split_devices(costs: CostModel, devices: int, engine_share: float,
     replica per ``costs.devices_per_replica`` devices and the trainer on all of them."""
     if placement not in PLACEMENTS:
         raise UsageError(f"placement={placement!r}: choose one of {', '.join(PLACEMENTS)}")
-    if not isinstance(devices, int) or devices < 2:
-        raise UsageError(f"devices={devices!r} must be an integer >= 2 (engines and trainer)")
+    if not isinstance(devices, int) or devices < (1 if placement == "colocated" else 2):
+        raise UsageError(f"devices={devices!r} must be an integer >= 2 (engines and trainer)"
+                         if placement == "separate" else
+                         f"devices={devices!r} must be an integer >= 1")
     if not 0.0 < efficiency <= 1.0:
         raise UsageError(f"efficiency={efficiency!r} must be in (0, 1]")
     per = costs.devices_per_replica

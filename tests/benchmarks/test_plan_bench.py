@@ -59,13 +59,16 @@ def test_replay_predicts_each_run_and_its_ratio_to_sync(tmp_path, scale, met):
 @pytest.mark.parametrize("argv, message", [
     (["--replay", "{dir}/missing.json"], "missing.json: no such file"),
     (["--replay", "{dir}/bad.json"], "is not a `bench plan` output"),
+    (["--replay", "{dir}/no_runs.json"], "it holds no held-out runs"),
     (["--cal-lengths", "32,32"], "give at least two different lengths"),
     (["--caps", "64,x"], "--caps '64,x': give comma-separated integers"),
     (["--schedule", "sync,fast"], "--schedule 'sync,fast': choose among"),
     (["--steps", "2"], "keep --warmup >= 1"),
+    (["--k", "-1"], "--k '-1': give comma-separated integers >= 0"),
 ])
 def test_bad_input_is_one_line_with_exit_2(argv, message, tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"runs": []}))
+    (tmp_path / "no_runs.json").write_text(json.dumps({**_report({"sync": 1.0, "one_step_off": 1.0}), "runs": []}))
     args = ["bench", "plan", "--json", str(tmp_path / "out.json")]
     assert main(args + [a.format(dir=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

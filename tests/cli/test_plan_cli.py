@@ -61,6 +61,11 @@ def test_colocated_placement_runs_every_replica_and_the_trainer_on_every_device(
         assert row["engine_replicas"] == row["engine_devices"] == row["trainer_devices"] == 4
     for row in separate:
         assert row["engine_devices"] == row["trainer_devices"] == 2
+    # one device, engine and trainer in turns: the setup of a single-GPU run
+    assert main(["plan", "--costs", str(costs_file), "--devices", "1", "--placement",
+                 "colocated", "--steps", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["engine_replicas"], r["trainer_devices"]) for r in rows} == {(1, 1)}
 
 
 def test_the_example_costs_load_and_plan(tmp_path, capsys):

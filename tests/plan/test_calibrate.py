@@ -100,5 +100,6 @@ def test_predicted_tokens_per_s_of_a_synchronous_run_is_tokens_over_the_step():
     costs = _fixed(step_overhead_s=0.2)
     step_s = 5.0 + 0.8 + 1.0 + 0.2
     assert predicted_tokens_per_s(costs, "sync", 0, steps=5, warmup=1) == pytest.approx(800 / step_s)
-    with pytest.raises(UsageError, match="no step between the warm-up and the last one"):
-        predicted_tokens_per_s(costs, "sync", 0, steps=3, warmup=2)
+    for steps, warmup in ((3, 2), (5, 0)):  # nothing measured; step 1 has no interval
+        with pytest.raises(UsageError, match="keep warmup >= 1"):
+            predicted_tokens_per_s(costs, "sync", 0, steps=steps, warmup=warmup)
