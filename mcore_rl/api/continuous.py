@@ -127,10 +127,10 @@ class ContinuousGenerate:
                 item = arrived.get(timeout=IDLE_WAIT_S) if block else arrived.get_nowait()
             except queue.Empty:
                 if block:
-                    self._idle(time.perf_counter() - t)
+                    self.counts["engine_idle_s"] += time.perf_counter() - t
                 return False
             if block:
-                self._idle(time.perf_counter() - t)
+                self.counts["engine_idle_s"] += time.perf_counter() - t
             if item is None:
                 return True
             self._start(item)
@@ -196,13 +196,7 @@ class ContinuousGenerate:
                         self._complete(group)
         if asleep:  # colocated: the trainer has the devices until it wakes the engine
             time.sleep(IDLE_WAIT_S)
-            self._idle(IDLE_WAIT_S)
-
-    def _idle(self, seconds: float) -> None:
-        """Count seconds the engine had nothing to run (under the lock: the trainer's sleep
-        call may hand a group on, and reset the counts, meanwhile)."""
-        with self.lock:
-            self.counts["engine_idle_s"] += seconds
+            self.counts["engine_idle_s"] += IDLE_WAIT_S
 
     def _finished(self, rid: str, samples: list[RolloutSample]) -> _Group | None:
         """Put a request's samples into their group's slots (stamped with the version the

@@ -3,9 +3,8 @@ replica whose log file names ``engine_1`` is stuck. It holds each new prompt's r
 until its weights have moved ``STUCK_VERSIONS`` versions past the version it was submitted
 under (its steps return nothing meanwhile, so weight syncs still reach it), so that group
 finishes too old for ``train.max_staleness=1`` whatever the timing. A prompt it has seen
-before (a group generated again) runs at once. A hold ends too once no new weights have
-come for ``STUCK_S`` (the run's last groups: nothing trains any more), counted from the last
-weight change, so that a slow trainer on a loaded machine does not end holds early.
+before (a group generated again) runs at once. ``STUCK_S`` caps a hold, so that a run's
+last groups end even when no new weights come.
 
     rollout.engine=tests.api.stuck_engine:build rollout.replicas=2
 """
@@ -29,18 +28,17 @@ def build(cfg, model_dir, **kwargs):
             key = tuple(request.prompt)
             if key not in seen:
                 seen.add(key)
-                self.__dict__.setdefault("_held", {})[request.request_id] = self.weight_version
+                self.__dict__.setdefault("_held", {})[request.request_id] = (
+                    self.weight_version, time.monotonic())
             super().submit(request)
 
         def step(self):
             queue = self._queued()
             held = self.__dict__.get("_held", {})
-            if self.__dict__.get("_version") != self.weight_version:  # new weights came
-                self.__dict__.update(_version=self.weight_version, _changed=time.monotonic())
             if stuck and queue and queue[0].request_id in held:
-                version = held[queue[0].request_id]
+                version, since = held[queue[0].request_id]
                 if self.weight_version - version < STUCK_VERSIONS and \
-                        time.monotonic() - self._changed < STUCK_S:
+                        time.monotonic() - since < STUCK_S:
                     time.sleep(POLL_S)
                     return []
                 del held[queue[0].request_id]
