@@ -36,6 +36,7 @@ from pathlib import Path
 
 MODES = ("static", "continuous", "decode")
 
+
 def _prompts(cfg, count: int, model_dir: str):
     from mcore_rl.data.prompts import PromptStream, load_prompt_records
     from mcore_rl.data.tokenizer import load_tokenizer

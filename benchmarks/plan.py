@@ -32,9 +32,10 @@ import tempfile
 from pathlib import Path
 
 from mcore_rl.errors import UsageError
+from mcore_rl.plan.scaling import FIXED_K
+from mcore_rl.plan.simulator import SCHEDULES
 
 TARGET_ERROR = 0.2
-SCHEDULES = ("sync", "one_step_off", "async")
 ENGINE = {"quickstart": {"prompts": 16, "occupancies": [1, 4, 16, 32], "decode_tokens": 8},
           "smollm2": {"prompts": 32, "occupancies": [1, 8, 16, 32, 64, 128], "decode_tokens": 32}}
 DEFAULTS = {"quickstart": {"caps": "16", "cal_lengths": "8,16", "steps": 5},
@@ -53,7 +54,7 @@ def run_settings(schedules: list[str], ks: list[int]) -> list[tuple[str, int]]:
         if schedule == "async":
             out += [("async", k) for k in ks]
         else:
-            out.append((schedule, {"sync": 0, "one_step_off": 1}[schedule]))
+            out.append((schedule, FIXED_K[schedule]))
     return out
 
 
@@ -66,12 +67,12 @@ def predictions(report: dict) -> dict:
         raise ValueError("it holds no held-out runs")
     steps = [step for run in report["calibration"]["trainer"] for step in run["steps"]]
     trainer = trainer_costs(steps, s["prompts_per_step"])
-    report["costs"], records = {}, {}
+    by_cap = {cap: calibrated_costs(report["calibration"]["engine"], trainer, cap,
+                                    s["prompts_per_step"], s["group_size"])
+              for cap in sorted({run["cap"] for run in report["runs"]})}
+    report["costs"], records = {str(cap): c.to_dict() for cap, c in by_cap.items()}, {}
     for run in report["runs"]:
-        cap = run["cap"]
-        costs = calibrated_costs(report["calibration"]["engine"], trainer, cap,
-                                 s["prompts_per_step"], s["group_size"])
-        report["costs"][str(cap)] = costs.to_dict()
+        cap, costs = run["cap"], by_cap[run["cap"]]
         predicted = predicted_tokens_per_s(costs, run["schedule"], run["k"], s["steps"],
                                            s["warmup"], placement=s["placement"])
         measured = run["measured_tokens_per_s"]
@@ -172,7 +173,6 @@ def _ints(option: str, text: str, low: int = 1) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     from mcore_rl.benchmarks._common import rounded, write_json
-    from mcore_rl.benchmarks.train import SIZES
 
     parser = argparse.ArgumentParser(prog="mcore-rl bench plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -218,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.warmup < 1 or steps - args.warmup < 2:
             raise UsageError(f"--steps {steps} --warmup {args.warmup}: keep --warmup >= 1 (the "
                              "first step has no interval) and two steps after it")
-        assert args.size in SIZES
         report = predictions(calibrate_and_run(args.size, caps, cal_lengths,
                                                run_settings(schedules, ks), steps, args.warmup,
                                                args.threads, args.dtype))

@@ -59,8 +59,10 @@ def run(args) -> int:
     devices = parse_list("--devices", args.devices, int, "8,64")
     shares = parse_list("--engine-share", args.engine_share, float, "0.5,0.75")
     ks = parse_list("--k", args.k, int, "0,1,2")
+    from mcore_rl.plan.simulator import PLACEMENTS
+
     placements = [p.strip() for p in args.placement.split(",") if p.strip()]
-    if not placements or any(p not in ("separate", "colocated") for p in placements):
+    if not placements or any(p not in PLACEMENTS for p in placements):
         raise UsageError(f"--placement {args.placement!r}: give separate, colocated or both, "
                          "comma-separated")
     if args.steps < 1:
