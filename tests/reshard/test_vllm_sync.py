@@ -3,7 +3,7 @@
 Tiny Llama (untied, vocabulary padded 1003 -> 1024), Qwen2 (QKV bias, tied embeddings) and
 Qwen3 (per-head QK norm, untied), head_dim 32, fp32. Per model, engine replicas fed by the
 same sync (Llama and Qwen2: vLLM at engine TP1 and at engine TP2; Qwen3: TP2), started once
-from the config only (``load_format="dummy"``), and per trainer layout (TP2, PP2, TP2 x PP2
+from the config only (``load_format="dummy"``), and per trainer layout (TP2 and TP2 x PP2
 on 4 ranks for Llama; TP2 x PP2 for the others):
 
 1. sync the initial weights; greedy tokens equal HF greedy of the initial checkpoint;
@@ -25,10 +25,11 @@ from mcore_rl.wire import WeightSyncError
 from tests.models.tiny_hf import load_hf, save_tiny_hf_model
 from tests.world import SharedWorld
 
-LAYOUTS = {"TP2": (2, 1), "PP2": (1, 2), "TP2xPP2": (2, 2)}
-# Trainer layouts per model: every layout once (Llama); the other families differ in their
-# tensors (QKV bias, tied embeddings across stages, QK norm), which TP2 x PP2 splits both ways.
-LAYOUTS_OF = {"llama-untied": tuple(LAYOUTS), "qwen2-tied": ("TP2xPP2",),
+LAYOUTS = {"TP2": (2, 1), "TP2xPP2": (2, 2)}
+# Trainer layouts per model: TP alone and TP2 x PP2, which splits both ways (Llama; PP alone
+# is a case of it); the other families differ in their tensors (QKV bias, tied embeddings
+# across stages, QK norm), which TP2 x PP2 splits.
+LAYOUTS_OF = {"llama-untied": ("TP2", "TP2xPP2"), "qwen2-tied": ("TP2xPP2",),
               "qwen3-untied": ("TP2xPP2",)}
 # per model: (engine TP, placement) of its replicas; the TP1 engines cover both placements;
 # Qwen3 (one replica at engine TP2) adds only its QK norms (Qwen2 last: the tests after the parametrized one use its replicas, already running.)
