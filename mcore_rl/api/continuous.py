@@ -81,6 +81,11 @@ class ContinuousGenerate:
         self.version_seen = self.engine.weight_version
         self.counts = {"stale_regenerated": 0.0, "partial_continued": 0.0,
                        "partial_restarted": 0.0, "engine_idle_s": 0.0}
+        """Since the last completed group; read and reset under the engine's lock (`_park`
+        may complete a group on the trainer's thread)."""
+        self._idle_s = 0.0
+        """The loop's idle time not yet in ``counts``: its own, added there under the lock
+        at the next step (an update outside the lock could be lost to a reset)."""
         self.waiting: list[tuple[_Group, int | None]] = []
         """Submissions held while the engine sleeps (colocated: the trainer updates)."""
         self.ready: list[Batch] = []
@@ -127,10 +132,10 @@ class ContinuousGenerate:
                 item = arrived.get(timeout=IDLE_WAIT_S) if block else arrived.get_nowait()
             except queue.Empty:
                 if block:
-                    self.counts["engine_idle_s"] += time.perf_counter() - t
+                    self._idle_s += time.perf_counter() - t
                 return False
             if block:
-                self.counts["engine_idle_s"] += time.perf_counter() - t
+                self._idle_s += time.perf_counter() - t
             if item is None:
                 return True
             self._start(item)
@@ -178,6 +183,8 @@ class ContinuousGenerate:
     def _step(self) -> None:
         """One engine step; the groups it finished go to ``ready``."""
         with self.lock:
+            self.counts["engine_idle_s"] += self._idle_s
+            self._idle_s = 0.0
             asleep = self.engine.asleep
             if not asleep:
                 if self.engine.weight_version != self.version_seen:
@@ -196,7 +203,7 @@ class ContinuousGenerate:
                         self._complete(group)
         if asleep:  # colocated: the trainer has the devices until it wakes the engine
             time.sleep(IDLE_WAIT_S)
-            self.counts["engine_idle_s"] += IDLE_WAIT_S
+            self._idle_s += IDLE_WAIT_S
 
     def _finished(self, rid: str, samples: list[RolloutSample]) -> _Group | None:
         """Put a request's samples into their group's slots (stamped with the version the
