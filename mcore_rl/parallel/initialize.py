@@ -109,6 +109,25 @@ def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 
     return ctx
 
 
+# Megatron methods memoised with ``functools.lru_cache``: each cache entry keeps its module
+# (``self``) alive, and with it the module's process groups, whose gloo threads then outlive
+# the layout (a process that builds models for several layouts in turn piles them up).
+_CACHED_METHODS = (
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding"),
+)
+
+
+def _clear_megatron_method_caches() -> None:
+    import importlib
+
+    for module_name, class_name in _CACHED_METHODS:
+        cls = getattr(importlib.import_module(module_name), class_name, None)
+        cache_clear = getattr(getattr(cls, "forward", None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+
+
 # Process groups created by Megatron's initialize_model_parallel for the current layout.
 # Megatron drops its references on destroy but leaves most groups alive; each gloo group
 # keeps its own threads, so switching layouts in one world would pile them up.
@@ -128,6 +147,7 @@ def destroy_parallel(*, keep_process_group: bool = True) -> None:
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    _clear_megatron_method_caches()
     live = set(_live_groups()) if dist.is_initialized() else set()
     for group in _megatron_groups:
         if group in live:

@@ -55,3 +55,43 @@ def _bad_layout(rank, world_size):
 def test_a_layout_that_does_not_fit_the_world_fails_on_every_rank(world):
     with pytest.raises(AssertionError, match="not divisible by tp\\*pp = 3\\*1"):
         world.run(_bad_layout)
+
+
+def _gloo_threads() -> int:
+    import os
+
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sum(name == "gloo_tcp_loop" for name in names)
+
+
+def _build_and_forward(rank, world_size, hf_dir, tp, pp):
+    """A model of ``tp`` x ``pp`` built, run forward and dropped; the process's gloo threads."""
+    import gc
+
+    from mcore_rl.data.batch import Batch
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.train.build import build_engine
+
+    ctx = initialize_parallel(tp=tp, pp=pp)
+    try:
+        built = build_model(hf_dir, ctx)
+        engine = build_engine(built.chunks, ctx, vocab_size=built.spec.arch.vocab_size)
+        engine.forward(Batch.from_sequences([[3, 4, 5, 6, 7], [8, 9, 10]], prompt_lens=[2, 1]))
+        del engine, built
+    finally:
+        destroy_parallel()
+    gc.collect()
+    return _gloo_threads()
+
+
+def test_layouts_built_in_turn_leave_no_process_groups_behind(world, tmp_path_factory):
+    """Megatron memoises its rotary embedding's forward (the module, and so its process
+    groups, stay referenced); teardown clears it, so a world that builds model after model
+    keeps the same gloo threads (each live group has one that wakes up all the time)."""
+    from tests.models.tiny_hf import save_tiny_hf_model
+
+    hf_dir = str(save_tiny_hf_model("llama-untied", tmp_path_factory.mktemp("leak") / "hf"))
+    counts = [world.run(_build_and_forward, hf_dir, *layout)
+              for layout in ((2, 2), (2, 1), (1, 2), (2, 2))]
+    assert counts[-1] == counts[0], counts
