@@ -60,8 +60,14 @@ def test_a_layout_that_does_not_fit_the_world_fails_on_every_rank(world):
 def _gloo_threads() -> int:
     import os
 
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    return sum(name == "gloo_tcp_loop" for name in names)
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == "gloo_tcp_loop"
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return count
 
 
 def _build_and_forward(rank, world_size, hf_dir, tp, pp):

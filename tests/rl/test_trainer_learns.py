@@ -7,7 +7,6 @@ suite fast; the quick start (tests/rl/test_quickstart.py) runs the same loop on 
 import json
 from pathlib import Path
 
-
 from tests.world import shared_world
 
 REPO = Path(__file__).resolve().parents[2]
