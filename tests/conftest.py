@@ -1,8 +1,13 @@
-"""Suite-wide rules: `gpu` tests skip without CUDA; any other skip fails the run."""
+"""Suite-wide rules: one CPU code path on every x86 machine; `gpu` tests skip without CUDA;
+any other skip fails the run."""
 from __future__ import annotations
 
-import pytest
-import torch
+from tests.cpu_kernels import pin_cpu_kernels
+
+pin_cpu_kernels()  # before torch: see tests/cpu_kernels.py
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_configure(config):

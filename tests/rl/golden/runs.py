@@ -2,13 +2,16 @@
 
 Each run is the quick-start task on the in-process ``hf`` engine (deterministic on CPU),
 a short warm start and three RL steps. ``python -m tests.rl.golden.runs [NAME ...]``
-records the metrics into ``tests/rl/golden/<name>.json``; ``tests/rl/test_golden_runs.py``
+records the metrics into ``tests/rl/golden/<name>.json`` (on the CPU code path that
+``tests/cpu_kernels.py`` pins for the suite); ``tests/rl/test_golden_runs.py``
 replays each run and compares every metric but timings to round-off.
 
-Recorded before the architecture rework (weight sync as transports, typed run state),
-except ``grpo_kl_in_reward_adaptive_tp1``: before it, the adaptive KL controller read the
-metric ``actor/kl_loss``, which does not exist when the KL is a reward penalty, so the
-coefficient was driven by a KL of 0 and decayed; the file was regenerated after the fix.
+First recorded before the architecture rework (weight sync as transports, typed run
+state), which replayed them; ``grpo_kl_in_reward_adaptive_tp1`` was recorded again after a
+fix (the adaptive KL controller had read ``actor/kl_loss``, which does not exist when the KL
+is a reward penalty). Those files came from a machine whose CPU kernels differ from an
+AVX2 machine's, where they did not replay; all six were recorded again, by code that had
+replayed the earlier files in CI, once the suite pinned one code path for every x86 machine.
 """
 from __future__ import annotations
 
@@ -82,4 +85,7 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from tests.cpu_kernels import pin_cpu_kernels
+
+    pin_cpu_kernels()  # the code path the test suite replays on
     main(sys.argv[1:])
