@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from mcore_rl.engines import SamplingConfig
+from tests.flow.helpers import alive
 from tests.models.tiny_hf import save_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,21 +134,10 @@ def test_no_engine_process_outlives_a_killed_trainer(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-
-    def alive() -> list[int]:
-        out = []
-        for p in engine:
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p.pid)
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
     deadline = time.monotonic() + 10
-    while alive() and time.monotonic() < deadline:
+    while any(alive(p.pid) for p in engine) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = alive()
+    left = [p.pid for p in engine if alive(p.pid)]
     try:  # Ray's own agents outlive a SIGKILLed driver for a minute or two: end them here
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

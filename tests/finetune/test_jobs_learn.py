@@ -1,9 +1,8 @@
 """The fine-tuning jobs learn the built-in addition task, judged on held-out sums: DPO's
 preference accuracy and the reward model's accuracy rise to >= 0.9, KTO's reward accuracy to
->= 0.85,
-SFT's held-out loss falls; with the learning rate at 0 nothing moves; the greedy val/score
-follows the policy, and DPO, KTO and online DPO raise it from <= 0.3 to >= 0.7. The
-shipped quick-start configs run as they are (the reward model at PP2)."""
+>= 0.85, SFT's held-out loss falls; with the learning rate at 0 nothing moves; the greedy
+val/score follows the policy, and DPO, KTO and online DPO raise it from <= 0.3 to >= 0.7.
+The shipped quick-start configs run as they are (the reward model at PP2)."""
 import json
 from pathlib import Path
 
