@@ -12,10 +12,15 @@ def scorer(fn, **options) -> RewardScorer:
 
 
 def _iterations_for(seconds: float) -> int:
-    n = 200_000
-    t0 = time.perf_counter()
-    verifiers.busy_loop("", "", {"n": n})
-    return int(n * seconds / max(time.perf_counter() - t0, 1e-3))
+    """Iterations of `verifiers.busy_loop` that take ``seconds`` on an idle core: the best of
+    three timings, so that a burst of load while calibrating does not shorten every sample
+    (and leave the pools' fixed costs a larger share of the time)."""
+    n, best = 200_000, float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        verifiers.busy_loop("", "", {"n": n})
+        best = min(best, time.perf_counter() - t0)
+    return int(n * seconds / max(best, 1e-3))
 
 
 def _stdlib_pool_scores(executor, metas) -> list[float]:
@@ -29,7 +34,8 @@ def test_two_workers_score_a_cpu_bound_verifier_in_at_most_0_6_of_the_serial_tim
     of up to 8 rounds, so that a burst of load from other processes does not decide it.
     Ours must take at most 0.6 of the serial time; where this machine's cores cannot give
     that to any pool (the standard one is over 0.6 too: shared or busy cores), ours must be
-    within 10% of the standard pool and still well under the serial time."""
+    within 10% (or 50 ms: one sample's round trip on a loaded machine) of the standard pool
+    and still well under the serial time."""
     from concurrent.futures import ProcessPoolExecutor
 
     metas = [{"n": _iterations_for(0.2)}] * 8
@@ -55,7 +61,8 @@ def test_two_workers_score_a_cpu_bound_verifier_in_at_most_0_6_of_the_serial_tim
     if stdlib_s <= 0.6 * serial_s:
         assert pooled_s <= 0.6 * serial_s, figures
     else:
-        assert pooled_s <= 1.1 * stdlib_s and pooled_s <= 0.8 * serial_s, figures
+        assert pooled_s <= max(1.1 * stdlib_s, stdlib_s + 0.05) and pooled_s <= 0.8 * serial_s, \
+            figures
 
 
 def test_samples_past_the_timeout_are_killed_and_score_failure_score_without_stalling():
