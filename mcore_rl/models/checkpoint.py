@@ -10,12 +10,14 @@ Layout of a checkpoint directory::
 
 Writing one from a running model is `save_mcore_checkpoint` (collective); loading one into
 model chunks is `load_mcore_weights`. ``mcore_rl.convert`` writes and reads the same layout
-from and to HF checkpoints without building a model.
+from and to HF checkpoints without building a model. Every Megatron distributed checkpoint
+of this package (training state too) is written by `save_sharded`.
 """
 from __future__ import annotations
 
 import fnmatch
 import json
+import queue
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +138,21 @@ def _skipped(name: str, skip_keys: tuple[str, ...]) -> bool:
     return any(name == key or name.endswith("." + key) for key in skip_keys)
 
 
+def save_sharded(state: dict, path: str | Path) -> None:
+    """Megatron's ``dist_checkpointing.save`` of ``state`` to ``path``, synchronously.
+
+    Megatron's torch_dist writer hands its write results back on a module-wide queue that it
+    makes on a process's first save, served by a spawned ``multiprocessing`` manager: a fresh
+    interpreter that costs seconds and outlives a rank that is killed. A synchronous save
+    puts and takes those results in the saving process, so a plain queue serves instead."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+    dist_checkpointing.save(state, str(path))
+
+
 def save_mcore_checkpoint(chunks: list, path: str | Path, spec: ModelSpec, hf_files_dir: str | Path,
                           layout: dict) -> None:
     """Write this model as an mcore-rl checkpoint (collective: every rank calls it).
@@ -144,7 +161,6 @@ def save_mcore_checkpoint(chunks: list, path: str | Path, spec: ModelSpec, hf_fi
     ``hf/``). ``path`` must not exist or be empty.
     """
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     path = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -154,7 +170,7 @@ def save_mcore_checkpoint(chunks: list, path: str | Path, spec: ModelSpec, hf_fi
         (path / MODEL_DIR).mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks, ()), str(path / MODEL_DIR))
+    save_sharded(_sharded_state_dict(chunks, ()), path / MODEL_DIR)
     if rank == 0:
         dtype = DTYPE_NAMES[next(chunks[0].parameters()).dtype]
         copy_hf_side_files(hf_files_dir, path / HF_DIR)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcore_rl.models.checkpoint import save_sharded
 from mcore_rl.train.engine import TrainEngine
 
 FORMAT_VERSION = 1
@@ -67,8 +68,6 @@ def _set_rng_state(state: dict) -> None:
 
 def save_engine(engine: TrainEngine, path: str | Path, extra: dict | None = None) -> Path:
     """Save the full state of ``engine`` to ``path`` (collective over all ranks)."""
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if dist.get_rank() == 0:
@@ -84,7 +83,7 @@ def save_engine(engine: TrainEngine, path: str | Path, extra: dict | None = None
     state["rng_state"] = _rng_object(engine, _rng_state())
     state["mcore_rl"] = {"format_version": FORMAT_VERSION, "layout": _layout(engine),
                          "steps_done": engine.steps_done, "extra": extra or {}}
-    dist_checkpointing.save(state, str(tmp))
+    save_sharded(state, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         if path.exists():

@@ -104,3 +104,22 @@ def _resume_skipping_optimizer_differs(rank, world_size, ckpt):
 
 def test_optimizer_state_matters_so_the_resume_test_can_fail(world, tmp_path):
     assert world.run(_resume_skipping_optimizer_differs, str(tmp_path / "ckpt")) == [False, False]
+
+
+def _save_and_list_helpers(rank, world_size, ckpt):
+    import psutil
+
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.train.checkpoint import save_engine
+
+    ctx = initialize_parallel(tp=2, pp=1, seed=5)
+    save_engine(_engine(ctx), ckpt)
+    destroy_parallel()
+    return [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+            if "multiprocessing" in " ".join(p.cmdline())]
+
+
+def test_a_save_leaves_no_helper_process_behind(world, tmp_path):
+    """Megatron's writer would serve its results from a spawned manager process (seconds on a
+    process's first save, and an orphan when a rank is killed); synchronous saves need none."""
+    assert world.run(_save_and_list_helpers, str(tmp_path / "ckpt")) == [[], []]
