@@ -16,6 +16,8 @@ In one run, on the same config, prompts, reward and threads, each in a fresh pro
   trained batch, and the launch's blocked times per role.
 
 Figures are medians over the steps after ``--warmup``. ``--quick``: few steps (for tests).
+Config overrides after the options (``key=value``, as ``mcore-rl train`` takes them) apply to
+every run, e.g. ``rollout.engine=hf``.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated runs to measure, of {', '.join(MODES)} (default: all); "
                         "loop is the baseline of every comparison but one_step_off_vs_sync")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides for every run (e.g. rollout.engine=hf)")
     args = p.parse_args(argv)
     steps, warmup = (4, 1) if args.quick else (args.steps, args.warmup)
     if steps <= warmup + 1:
@@ -65,14 +69,15 @@ def main(argv=None) -> int:
     from mcore_rl.config import load_config
 
     config = _config_path(args.config)
-    report: dict = {"machine": machine_info(), "config": args.config, "steps": steps,
-                    "warmup": warmup}
+    cfg = load_config(str(config), args.overrides)  # a bad override fails here, before any run
+    report: dict = {"machine": machine_info(), "config": args.config, "overrides": args.overrides,
+                    "steps": steps, "warmup": warmup}
     with tempfile.TemporaryDirectory(prefix="mcore-rl-bench-flow-") as tmp:
         work = Path(tmp)
         runs = {}
         for mode in modes:
-            overrides = our_overrides(load_config(str(config)), steps, work / mode,
-                                      args.threads, "fp32")
+            overrides = [*args.overrides,
+                         *our_overrides(cfg, steps, work / mode, args.threads, "fp32")]
             _log(f"{mode}: {steps} steps")
             if mode == "cli":
                 runs[mode] = {"steps": run_ours(config, overrides, work / mode)}

@@ -10,10 +10,13 @@ from mcore_rl.config import load_config
 
 def test_quick_bench_runs_the_same_steps_two_ways_and_compares_them(tmp_path, capsys):
     # mcore-rl train's synchronous graph (cli) runs in the quick-start test and RLTrainer in
-    # its own tests; here the loop and the one-step-off graph.
+    # its own tests; here the loop and the one-step-off graph, with the in-process HF engine
+    # (the runtimes compared are the subject; vLLM has its own tests).
     out = tmp_path / "flow.json"
-    assert main(["bench", "flow", "--json", str(out), "--quick", "--modes", "loop,graph"]) == 0
+    assert main(["bench", "flow", "--json", str(out), "--quick", "--modes", "loop,graph",
+                 "rollout.engine=hf"]) == 0
     report = json.loads(out.read_text())
+    assert report["overrides"] == ["rollout.engine=hf"]
     cfg = load_config("configs/quickstart.yaml", [])
     responses = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
     tokens = responses * (1 + 4 + cfg.rollout.max_new_tokens)  # <bos> "a+b=" + fixed-length answers
@@ -39,3 +42,11 @@ def test_an_unknown_mode_is_one_line_with_exit_2(tmp_path, capsys):
     assert main(["bench", "flow", "--json", str(tmp_path / "x.json"), "--modes", "loop,fast"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--modes loop,fast" in err[0] and "graph" in err[0]
+
+
+def test_a_bad_override_is_one_line_with_exit_2_before_any_run(tmp_path, capsys):
+    assert main(["bench", "flow", "--json", str(tmp_path / "x.json"), "--quick",
+                 "rollout.engin=hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rollout.engin" in err[0], err
+    assert not (tmp_path / "x.json").exists()
