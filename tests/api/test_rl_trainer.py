@@ -1,5 +1,7 @@
 """`RLTrainer` drives a TP2 and a PP2 GRPO run from this (driver) process: its ranks are Ray
-actors, the real vLLM engine sits beside rank 0, and rewards are computed here."""
+actors, the engine sits beside rank 0 (the real vLLM engine at TP2; the example script at PP2
+runs with the in-process HF engine, its subject being the script), and rewards are computed
+here."""
 from __future__ import annotations
 
 import json
@@ -99,7 +101,8 @@ def test_the_example_script_runs_grpo_at_pp2(tmp_path, monkeypatch):
     finally:
         sys.path.remove(str(REPO / "examples"))
     result = python_api.main(["--pp", "2", "--steps", "2", "--val-every", "2",
-                              "--logdir", str(tmp_path), "train.warm_start_steps=30"])
+                              "--logdir", str(tmp_path), "train.warm_start_steps=30",
+                              "rollout.engine=hf"])
     assert sorted(result["validation"]) == [0, 2]
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     updates = [h for h in history if "actor/loss" in h]
