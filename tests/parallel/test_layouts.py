@@ -70,10 +70,15 @@ def _gloo_threads() -> int:
     return count
 
 
-def _build_and_forward(rank, world_size, hf_dir, tp, pp):
-    """A model of ``tp`` x ``pp`` built, run forward and dropped; the process's gloo threads."""
-    import gc
+def _sum_loss(outputs, mb):
+    mask = mb["response_mask"].float()
+    return -(outputs["logprobs"] * mask).sum(), mask.sum(), {}
 
+
+def _build_and_train(rank, world_size, hf_dir, tp, pp):
+    """A model of ``tp`` x ``pp`` built, trained one step and dropped (no garbage collection
+    of its own); the process's gloo threads."""
+    from mcore_rl.config import OptimizerConfig
     from mcore_rl.data.batch import Batch
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
@@ -82,22 +87,24 @@ def _build_and_forward(rank, world_size, hf_dir, tp, pp):
     ctx = initialize_parallel(tp=tp, pp=pp)
     try:
         built = build_model(hf_dir, ctx)
-        engine = build_engine(built.chunks, ctx, vocab_size=built.spec.arch.vocab_size)
-        engine.forward(Batch.from_sequences([[3, 4, 5, 6, 7], [8, 9, 10]], prompt_lens=[2, 1]))
+        engine = build_engine(built.chunks, ctx, vocab_size=built.spec.arch.vocab_size,
+                              optim=OptimizerConfig(lr=1e-3))
+        engine.train_batch(Batch.from_sequences([[3, 4, 5, 6, 7], [8, 9, 10]], prompt_lens=[2, 1]),
+                           _sum_loss)
         del engine, built
     finally:
         destroy_parallel()
-    gc.collect()
     return _gloo_threads()
 
 
 def test_layouts_built_in_turn_leave_no_process_groups_behind(world, tmp_path_factory):
     """Megatron memoises its rotary embedding's forward (the module, and so its process
-    groups, stay referenced); teardown clears it, so a world that builds model after model
-    keeps the same gloo threads (each live group has one that wakes up all the time)."""
+    groups, stay referenced), and a trained model holds its groups in reference cycles;
+    teardown clears the one and collects the other, so a world that builds model after
+    model keeps the same gloo threads (each live group has one that wakes up all the time)."""
     from tests.models.tiny_hf import save_tiny_hf_model
 
     hf_dir = str(save_tiny_hf_model("llama-untied", tmp_path_factory.mktemp("leak") / "hf"))
-    counts = [world.run(_build_and_forward, hf_dir, *layout)
+    counts = [world.run(_build_and_train, hf_dir, *layout)
               for layout in ((2, 2), (2, 1), (1, 2), (2, 2))]
     assert counts[-1] == counts[0], counts
