@@ -14,6 +14,7 @@ the next test, so one broken test does not fail the rest of the module.
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -27,6 +28,7 @@ from mcore_rl.parallel.ports import serve_store
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MCORE_RL_RANK_TIMEOUT", "240"))
 ERROR_GRACE_S = 15.0  # how long the other ranks may still answer after one failed
+IDLE_COLLECT_S = 1.0  # a rank idle this long after a call collects that call's garbage
 
 
 def _worker(rank: int, world_size: int, store_env: dict[str, str], conn, env: dict[str, str],
@@ -48,11 +50,19 @@ def _worker(rank: int, world_size: int, store_env: dict[str, str], conn, env: di
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
+        collected = True
         while True:
+            if not collected and not conn.poll(IDLE_COLLECT_S):
+                # What the last call left in reference cycles (a model and the process
+                # groups it holds, each with gloo threads that keep waking up) goes while
+                # this rank waits, not whenever a later call allocates enough.
+                gc.collect()
+                collected = True
             msg = conn.recv()
             if msg is None:
                 break
             fn, args, kwargs = msg
+            collected = False
             try:
                 conn.send(("ok", fn(rank, world_size, *args, **kwargs)))
             except BaseException:  # noqa: BLE001 - every failure goes back to the test

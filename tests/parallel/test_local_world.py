@@ -114,3 +114,37 @@ def test_a_torn_down_world_takes_the_processes_its_ranks_started_with_it():
         while any(_alive(pid) for pid in helpers) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(pid) for pid in helpers), "a killed rank left its helper behind"
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+_LEFT: list = []  # in each rank: a weak reference to what the last call left in a cycle
+
+
+def _leave_a_cycle(rank, world_size):
+    import gc
+    import weakref
+
+    gc.disable()  # no collection while the call runs: only the rank's idle one may free it
+    try:
+        _LEFT[:] = [weakref.ref(_Cycle())]
+    finally:
+        gc.enable()
+
+
+def _cycle_freed(rank, world_size):
+    return _LEFT[0]() is None
+
+
+def test_an_idle_rank_collects_the_reference_cycles_its_last_call_left():
+    """A model holds its process groups in cycles, and each gloo group has threads that keep
+    waking up: an idle rank must not keep them until a later call allocates enough."""
+    from mcore_rl.parallel.local_world import IDLE_COLLECT_S
+
+    with SharedWorld(2) as world:
+        world.run(_leave_a_cycle)
+        time.sleep(IDLE_COLLECT_S + 1.0)  # the ranks wait idle
+        assert world.run(_cycle_freed) == [True, True]
