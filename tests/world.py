@@ -3,8 +3,8 @@
 Starting a world (spawning ranks, importing megatron.core on each) costs 10-30 s on the CI
 machine, so every test module asks `shared_world(n)` for the process-wide world of n ranks:
 started on first use, restarted after a test that broke it, and stopped cleanly at the end
-of the session (tests/conftest.py): a rank killed instead would orphan the helper process
-Megatron's checkpoint saving starts.
+of the session (tests/conftest.py), so that what its ranks started (vLLM engines among them)
+ends with them.
 """
 from __future__ import annotations
 

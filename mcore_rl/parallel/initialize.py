@@ -147,9 +147,9 @@ def destroy_parallel(*, keep_process_group: bool = True) -> None:
 
     A destroyed group's gloo threads end only when the last reference to it goes, and
     models, optimizers and their hooks hold groups in reference cycles that only a garbage
-    collection frees: an idle process never collects, and the threads of every layout it
-    built (several hundred in a world reused for many) kept waking up, a sizeable share of
-    a core per idle rank. A collection here ends them."""
+    collection frees. Left to the collector's own schedule, a process that builds layout
+    after layout kept the threads of all of them (hundreds, waking up all the time: a good
+    share of a core per idle rank), so this collects."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():

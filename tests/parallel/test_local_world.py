@@ -88,7 +88,7 @@ _HELPERS = []
 
 
 def _start_a_helper_process(rank, world_size):
-    """What Megatron's checkpoint saving does: a multiprocessing manager, kept for later."""
+    """A process a rank starts and keeps (a multiprocessing manager)."""
     import multiprocessing as mp
 
     manager = mp.get_context("spawn").Manager()
