@@ -70,11 +70,6 @@ def _gloo_threads() -> int:
     return count
 
 
-def _sum_loss(outputs, mb):
-    mask = mb["response_mask"].float()
-    return -(outputs["logprobs"] * mask).sum(), mask.sum(), {}
-
-
 def _build_and_train(rank, world_size, hf_dir, tp, pp):
     """A model of ``tp`` x ``pp`` built, trained one step and dropped (no garbage collection
     of its own); the process's gloo threads."""
@@ -82,6 +77,7 @@ def _build_and_train(rank, world_size, hf_dir, tp, pp):
     from mcore_rl.data.batch import Batch
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.rl.warm_start import nll_loss
     from mcore_rl.train.build import build_engine
 
     ctx = initialize_parallel(tp=tp, pp=pp)
@@ -90,7 +86,7 @@ def _build_and_train(rank, world_size, hf_dir, tp, pp):
         engine = build_engine(built.chunks, ctx, vocab_size=built.spec.arch.vocab_size,
                               optim=OptimizerConfig(lr=1e-3))
         engine.train_batch(Batch.from_sequences([[3, 4, 5, 6, 7], [8, 9, 10]], prompt_lens=[2, 1]),
-                           _sum_loss)
+                           nll_loss)
         del engine, built
     finally:
         destroy_parallel()
