@@ -1,10 +1,11 @@
 """Where the engine runs beside the trainer, and which CPU cores each side gets.
 
-Decision: **the engine always runs in processes of its own** (vLLM's engine-core process,
-plus one worker process per engine TP rank), started from the controlling trainer rank
-(global rank 0), which keeps the client handle. Weights reach those processes through one
-shared-memory file (`mcore_rl.wire`: the trainer's parameters themselves on a CPU
-trainer, buckets otherwise), never through a socket or a pickle.
+Decision: **the engine always runs in processes of its own**, started from the controlling
+trainer rank (global rank 0), which keeps the handle: on CPU at engine TP1 one host process
+(`mcore_rl.engines.vllm_host`) that runs vLLM's engine core and worker in itself; otherwise
+vLLM's engine-core process plus one worker process per engine TP rank. Weights reach
+those processes through one shared-memory file (`mcore_rl.wire`: the trainer's parameters
+themselves on a CPU trainer, buckets otherwise), never through a socket or a pickle.
 
 Measured on the 2-core CPU machine (``mcore-rl bench reshard --placement``: SmolLM2-135M,
 fp32, a TP1 trainer with 2 threads, the engine at TP1; two runs on a shared machine):
@@ -29,6 +30,11 @@ replicas to the trainer's world size); its CPU worker binds OpenMP threads and r
 then share one interpreter (generation 10-19 % slower, trainer step 9-12 % slower). A
 sync through shared memory costs about the same either way. The start-up cost of separate
 processes is paid once per run.
+
+(That table's "own processes" were vLLM's engine core and worker. With the one host process
+that replaced them at TP1, one later run of the same benchmark gave: engine start 22.5 s
+against 13.6 s inside the trainer, generation 106 against 35 tokens/s, one sync 0.45 s
+against 1.0 s, trainer step 4.4 s against 4.6 s, on a machine slower than that table's.)
 
 Both placements use that process layout; they differ in how cores are shared:
 

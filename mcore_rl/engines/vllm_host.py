@@ -1,0 +1,213 @@
+"""Where a `VLLMEngine`'s ``vllm.LLM`` lives, and every call into it.
+
+- `HostedLLM`: the ``LLM`` inside one process of ours (`serve`), which runs vLLM's engine
+  core and its worker in itself. Used on CPU at engine TP1.
+- `LocalLLM`: the ``LLM`` in this process; vLLM starts its engine core (and its workers) in
+  processes of its own, or, with ``in_process``, runs them all in this one.
+
+Why a host: on CPU vLLM runs its worker in a process apart from the engine core even at TP1
+(its OpenMP settings need a fresh process), and each of the two spawned processes imports
+vLLM and torch. Measured on the 2-core CPU machine (the quick start's tiny Llama, 16 prompts
+x 8 samples x 4 tokens): engine start 31 s in vLLM's two processes against 13 s in one
+host; a generation 0.12-0.16 s against 0.08-0.09 s (one process hop fewer per engine step).
+The host is still a fresh process that holds no trainer state, so the reasons the engine
+does not run inside the trainer (`mcore_rl.engines.placement`) hold for it as they do for
+vLLM's own processes.
+
+Each call is a module-level function of the ``LLM`` (`generate`, `add_request`, `step`, ...),
+so both places run the same code; what comes back is plain data (`Completion`).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mcore_rl.engines import vllm_shim
+
+PROCESS_TITLE = "VLLM::EngineCore"
+"""The host's name in ``ps`` (its command line): the engine core runs in it, and the owner
+finds its engine's processes by vLLM's ``VLLM::`` prefix."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sample of a request as the engine last reported it."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    """Log-prob of each sampled token."""
+    finish_reason: str | None
+    """"stop", "length", ... or None while the sample runs."""
+
+
+def _completions(output) -> list[Completion]:
+    return [Completion(c.index, tuple(c.token_ids),
+                       tuple(step[tok].logprob for step, tok in zip(c.logprobs or [], c.token_ids)),
+                       c.finish_reason)
+            for c in output.outputs]
+
+
+# ----- the calls (run where the LLM is) ---------------------------------------------------
+def generate(llm, prompts: list[list[int]], params: list) -> list[list[Completion]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [_completions(out) for out in outputs]
+
+
+def add_request(llm, request_id: str, prompt: list[int], params) -> None:
+    vllm_shim.add_streaming_request(llm, request_id, prompt, params)
+
+
+def step(llm) -> list[tuple[str, list[Completion]]]:
+    """One engine step: each request it reported on, with its samples so far. Nothing when no
+    request is unfinished (another caller stepped them to the end): vLLM's step would then
+    wait for outputs that never come."""
+    if not llm.llm_engine.has_unfinished_requests():
+        return []
+    return [(out.request_id, _completions(out)) for out in llm.llm_engine.step()]
+
+
+def abort(llm, request_ids: list[str]) -> None:
+    llm.llm_engine.abort_request(request_ids)
+
+
+def collective_rpc(llm, method: str, args: tuple) -> list:
+    return llm.collective_rpc(method, args=args)
+
+
+def reset_prefix_cache(llm) -> bool:
+    return llm.reset_prefix_cache()
+
+
+def sleep(llm, level: int) -> None:
+    llm.sleep(level=level)
+
+
+def wake_up(llm, tags: list[str]) -> None:
+    llm.wake_up(tags=tags)
+
+
+# ----- where the LLM is -------------------------------------------------------------------
+class LocalLLM:
+    """The ``LLM`` in this process."""
+
+    def __init__(self, llm_kwargs: dict[str, Any]):
+        self.llm = vllm_shim.require().LLM(**llm_kwargs)
+
+    def call(self, fn: Callable, *args):
+        return fn(self.llm, *args)
+
+    def shutdown(self, kill_processes: Callable[[], None]) -> None:
+        client = self.llm.llm_engine.engine_core
+        _quiet_engine_monitor(client)
+        kill_processes()
+        client.shutdown()  # its processes are gone: this releases the client's side
+        self.llm = None
+
+
+def _quiet_engine_monitor(client) -> None:
+    """Tell vLLM's engine-core monitor (a thread of the client) that the processes it
+    watches are being ended on purpose, so that it neither reports them as died nor starts
+    a shutdown of its own (whose grace period would log "force killing" for a process
+    that is merely being reaped)."""
+    resources = getattr(client, "resources", None)
+    if resources is None:
+        return
+    resources.engine_dead = True
+    manager = getattr(resources, "engine_manager", None)
+    if manager is not None and hasattr(manager, "manager_stopped"):
+        manager.manager_stopped.set()
+        manager._finalizer.detach()
+
+
+class EngineHostError(RuntimeError):
+    """The engine host could not start the engine, or lost its connection."""
+
+
+class HostedLLM:
+    """The ``LLM`` in a spawned process of ours (`serve`); `call` sends it a function and
+    waits for the result. Started from within the environment the engine needs (the host
+    inherits it, and this process's stdout and stderr). ``factory``: a module-level
+    callable that makes the ``LLM`` from ``llm_kwargs`` in the host (default: ``vllm.LLM``)."""
+
+    def __init__(self, llm_kwargs: dict[str, Any], factory: Callable[..., Any] | None = None):
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.proc = context.Process(target=serve, args=(child, llm_kwargs, factory or _vllm_llm),
+                                    daemon=True, name=PROCESS_TITLE)
+        self.proc.start()
+        child.close()
+        self._receive("starting the engine")
+
+    def call(self, fn: Callable, *args):
+        try:
+            self._conn.send((fn, args))
+        except (OSError, ValueError) as err:
+            self._lost(fn.__name__, err)
+        return self._receive(fn.__name__)
+
+    def _receive(self, what: str):
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError) as err:
+            self._lost(what, err)
+        if status == "ok":
+            return value
+        if isinstance(value, BaseException):
+            raise value
+        raise EngineHostError(value)
+
+    def _lost(self, what: str, err: Exception):
+        self.proc.join(timeout=2.0)  # its exit status is a moment behind the closed pipe
+        how = (f"exit code {self.proc.exitcode}" if self.proc.exitcode is not None
+               else "still running")
+        raise EngineHostError(f"the engine host (pid {self.proc.pid}) closed its connection "
+                              f"during {what} ({how})") from err
+
+    def shutdown(self, kill_processes: Callable[[], None]) -> None:
+        self._conn.close()
+        kill_processes()
+        self.proc.join(timeout=5.0)
+
+
+def _reply(conn, status: str, value) -> None:
+    try:
+        message = pickle.dumps((status, value))
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: send its text
+        message = pickle.dumps(("error", f"{type(value).__name__}: {value}"))
+    conn.send_bytes(message)
+
+
+def _vllm_llm(**llm_kwargs):
+    return vllm_shim.require().LLM(**llm_kwargs)
+
+
+def serve(conn, llm_kwargs: dict[str, Any], factory: Callable[..., Any]) -> None:
+    """The host's loop: make the ``LLM``, then run each ``(fn, args)`` received as
+    ``fn(llm, *args)`` and answer ``("ok", result)`` or ``("error", exception)``; return
+    when the connection closes."""
+    import setproctitle
+
+    setproctitle.setproctitle(PROCESS_TITLE)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner ends the run; the host follows
+    try:
+        llm = factory(**llm_kwargs)
+    except BaseException:  # noqa: BLE001 - reported to the owner, which raises it
+        _reply(conn, "error", f"the vLLM engine did not start:\n{traceback.format_exc()}")
+        return
+    _reply(conn, "ok", None)
+    while True:
+        try:
+            fn, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            result = fn(llm, *args)
+        except BaseException as err:  # noqa: BLE001 - handed to the owner
+            _reply(conn, "error", err)
+        else:
+            _reply(conn, "ok", result)
