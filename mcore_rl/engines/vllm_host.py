@@ -152,9 +152,14 @@ class HostedLLM:
 
     def _receive(self, what: str):
         try:
-            status, value = self._conn.recv()
+            message = self._conn.recv_bytes()
         except (EOFError, OSError) as err:
             self._lost(what, err)
+        try:
+            status, value = pickle.loads(message)
+        except Exception as err:  # noqa: BLE001 - e.g. an exception class that does not unpickle
+            raise EngineHostError(f"the engine host's answer to {what} could not be read "
+                                  f"here ({type(err).__name__}: {err})") from err
         if status == "ok":
             return value
         if isinstance(value, BaseException):

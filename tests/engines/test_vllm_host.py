@@ -36,6 +36,15 @@ def unpicklable_error(llm):
     raise RuntimeError(threading.Lock())  # the lock does not pickle
 
 
+class NeedsAReason(Exception):
+    def __init__(self, *, reason: str):  # pickles, but unpickling calls it without `reason`
+        super().__init__(reason)
+
+
+def unreadable_error(llm):
+    raise NeedsAReason(reason="stale weights")
+
+
 @pytest.fixture(scope="module")
 def host():
     hosted = HostedLLM({"model": "tiny"}, factory=StandInLLM)
@@ -54,6 +63,8 @@ def test_an_error_in_a_call_is_raised_here_and_the_host_serves_on(host):
         host.call(refuse, "weights")
     with pytest.raises(EngineHostError, match="RuntimeError: <unlocked _thread.lock"):
         host.call(unpicklable_error)
+    with pytest.raises(EngineHostError, match="answer to unreadable_error could not be read"):
+        host.call(unreadable_error)
     assert host.call(describe, "")[0] == "tiny"
 
 
