@@ -37,12 +37,17 @@ def kill_all(known: dict[int, float]) -> None:
                 procs.extend(proc.children(recursive=True))
         except psutil.Error:
             pass
+    kill_and_wait(procs)
+
+
+def kill_and_wait(procs: list[psutil.Process], timeout_s: float = 5.0) -> None:
+    """SIGKILL each of ``procs`` (those already gone are skipped) and wait for them to end."""
     for proc in procs:
         try:
             proc.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(procs, timeout=5)
+    psutil.wait_procs(procs, timeout=timeout_s)
 
 
 def main(owner_pid: int) -> None:

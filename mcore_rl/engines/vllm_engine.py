@@ -341,6 +341,7 @@ class VLLMEngine(RolloutEngine):
         that.)"""
         import psutil
 
+        from mcore_rl.engines.owner_watch import kill_and_wait
         from mcore_rl.engines.stale_shm import remove_unused, shared_memory_of
 
         engine, self._llm = getattr(self, "_llm", None), None
@@ -357,12 +358,7 @@ class VLLMEngine(RolloutEngine):
                     procs.append(psutil.Process(pid))
                 except psutil.NoSuchProcess:
                     pass
-            for proc in procs:
-                try:
-                    proc.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            psutil.wait_procs(procs, timeout=5)
+            kill_and_wait(procs)
 
         engine.shutdown(kill_processes)
         remove_unused(held)
