@@ -59,11 +59,23 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def free_port() -> int:
-    """A port free on every interface of this host (Ray binds its ports on all of them)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def free_ports(n: int, avoid: range = range(0)) -> list[int]:
+    """``n`` different ports free on every interface of this host (Ray binds its ports on all
+    of them), none in ``avoid``. Every socket stays bound until all are picked: a port asked
+    for one at a time can be handed out twice once its socket is closed."""
+    held: list[socket.socket] = []
+    picked: list[int] = []
+    try:
+        while len(picked) < n:
+            held.append(socket.socket())
+            held[-1].bind(("", 0))
+            port = held[-1].getsockname()[1]
+            if port not in avoid:
+                picked.append(port)
+        return picked
+    finally:
+        for s in held:
+            s.close()
 
 
 def free_port_window(size: int = WORKER_PORTS, rng: random.Random | None = None) -> int:
@@ -89,17 +101,18 @@ def start_args(job: str, head: bool, port: int | None, address: str | None, num_
                num_gpus: int | None) -> list[str]:
     """``ray start`` arguments for this node: its temp dir, its address, its own ports."""
     first_worker_port = free_port_window()
+    workers = range(first_worker_port, first_worker_port + WORKER_PORTS)
+    ports = iter(free_ports(7 if head else 6, avoid=workers))
     args = [ray_command(), "start", "--block", "--disable-usage-stats",
             f"--temp-dir={temp_dir(job)}", f"--node-ip-address={node_ip()}",
-            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-            f"--min-worker-port={first_worker_port}",
-            f"--max-worker-port={first_worker_port + WORKER_PORTS - 1}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+            f"--node-manager-port={next(ports)}", f"--object-manager-port={next(ports)}",
+            f"--min-worker-port={workers.start}", f"--max-worker-port={workers.stop - 1}",
+            f"--dashboard-agent-listen-port={next(ports)}",
+            f"--dashboard-agent-grpc-port={next(ports)}",
+            f"--metrics-export-port={next(ports)}", f"--runtime-env-agent-port={next(ports)}"]
     if head:
         args += ["--head", f"--port={port}", "--include-dashboard=false",
-                 f"--ray-client-server-port={free_port()}"]
+                 f"--ray-client-server-port={next(ports)}"]
     else:
         args.append(f"--address={address}")
     if num_cpus is not None:

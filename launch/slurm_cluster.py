@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mcore_rl.parallel.ports import free_port
+from mcore_rl.launch.ray_node import free_ports
 
 PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel")
@@ -157,7 +157,7 @@ class LocalSlurmCluster:
     def _start_slurm(self) -> None:
         for sub in ("state", "log", *(f"spool/{n}" for n in NODES)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        ports = [free_port() for _ in range(1 + len(NODES))]
+        ports = free_ports(1 + len(NODES))
         self.conf.write_text(_slurm_conf(self.root, self.munge_socket, ports[0], ports[1:],
                                          self.cpus_per_node, self.cred_expire_s))
         self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)])

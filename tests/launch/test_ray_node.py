@@ -62,3 +62,54 @@ def test_each_node_gets_its_temp_dir_and_free_ports_of_its_own(ray_tmp, monkeypa
              and "port" in a.split("=")[0]]
     picked = [int(v) for k, v in ports if k not in ("--port", "--max-worker-port")]
     assert len(picked) == len(set(picked)) >= 7  # every port explicit, none the same
+
+
+class _LowestFreePortOS:
+    """Sockets of an OS that hands ``bind(("", 0))`` the lowest port not bound right now:
+    any two ports asked for one after the other, each socket closed in between, are equal."""
+
+    def __init__(self, first: int):
+        self.first, self.bound = first, set()
+
+    def socket(self):
+        os_ = self
+
+        class Socket:
+            port = None
+
+            def bind(self, addr):
+                port = addr[1] or min(set(range(os_.first, os_.first + 10_000)) - os_.bound)
+                if port in os_.bound:
+                    raise OSError("address in use")
+                self.port = port
+                os_.bound.add(port)
+
+            def getsockname(self):
+                return ("0.0.0.0", self.port)
+
+            def close(self):
+                os_.bound.discard(self.port)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.close()
+
+        return Socket()
+
+
+def test_a_nodes_ports_differ_even_when_the_os_hands_out_the_lowest_free_one(ray_tmp, monkeypatch):
+    fake = _LowestFreePortOS(first=20_000)  # inside the worker-port range, to be kept out of it
+    monkeypatch.setattr(ray_node.socket, "socket", fake.socket)
+    monkeypatch.setattr(ray_node, "node_ip", lambda: "127.0.0.1")
+    for head in (True, False):
+        args = ray_node.start_args("7", head, 6400 if head else None,
+                                   None if head else "10.0.0.1:6400", 4, None)
+        values = dict(a.split("=", 1) for a in args if a.startswith("--") and "=" in a)
+        low, high = int(values["--min-worker-port"]), int(values["--max-worker-port"])
+        picked = [int(v) for k, v in values.items() if k.endswith("-port")
+                  and k not in ("--port", "--min-worker-port", "--max-worker-port")]
+        assert len(picked) == len(set(picked)) == (7 if head else 6)
+        assert not any(low <= p <= high for p in picked)
+        assert not fake.bound  # every socket let go of once the ports are picked
