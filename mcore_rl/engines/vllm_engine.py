@@ -8,8 +8,7 @@ into `ReshardWorkerExtension`, carrying only paths and manifests. Log-probs are 
 ``processed_logprobs``: log_softmax of the logits after temperature (and after top-k/top-p,
 which are off by default), i.e. mcore-rl's convention.
 
-CPU settings applied while the engine starts (its processes inherit them): the KV cache
-size (``VLLM_CPU_KVCACHE_SPACE``, GiB), the cores of each TP rank
+CPU settings applied while the engine starts (its processes inherit them): the cores of each TP rank
 (``VLLM_CPU_OMP_THREADS_BIND``, from the placement), and torch.distributed variables of a
 trainer rank removed, so vLLM sets up its own process group instead of joining the trainer's.
 """
@@ -36,15 +35,34 @@ TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "TORCHELASTIC_USE_AGENT_STORE")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 WEIGHT_LOADING = ("auto", "layerwise")
+CPU_MAX_SEQS = 256
+"""Sequences vLLM's CPU engine schedules at once (its default ``max_num_seqs``)."""
+KV_CACHE_LIMIT_GIB = 2.0
+"""The most a CPU engine's KV cache takes per TP rank unless ``kv_cache_gib`` says more."""
+
+
+def cpu_kv_cache_bytes(config: dict, dtype: str, max_model_len: int, tp: int = 1,
+                       limit_gib: float = KV_CACHE_LIMIT_GIB) -> int:
+    """KV-cache bytes per TP rank for a CPU engine: room for `CPU_MAX_SEQS` sequences of
+    ``max_model_len`` tokens (whole 128-token blocks) of the HF model ``config``, at most
+    ``limit_gib``. A tiny model needs a few MiB, where a fixed 1 GiB took 1.8 s of every
+    start to zero; SmolLM2-135M in fp32 at 321 tokens fit 60 sequences in 1 GiB."""
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = (2 * config["num_hidden_layers"] * max(1, heads // tp) * head_dim
+                 * torch.empty((), dtype=getattr(torch, DTYPES[dtype])).element_size())
+    tokens = CPU_MAX_SEQS * -(-max_model_len // 128) * 128
+    return min(tokens * per_token, int(limit_gib * 2**30))
 
 
 @contextlib.contextmanager
-def _engine_environment(values: dict[str, str]):
-    """Set ``values`` and hide a trainer rank's torch.distributed variables, then restore."""
+def _engine_environment(values: dict[str, str | None]):
+    """Set ``values`` (None: unset) and hide a trainer rank's torch.distributed variables,
+    then restore."""
     saved = {k: os.environ.get(k) for k in (*values, *TRAINER_ENV)}
-    for k in TRAINER_ENV:
+    for k in (*TRAINER_ENV, *(k for k, v in values.items() if v is None)):
         os.environ.pop(k, None)
-    os.environ.update(values)
+    os.environ.update({k: v for k, v in values.items() if v is not None})
     try:
         yield
     finally:
@@ -71,13 +89,16 @@ def _child_pids() -> set[int]:
 
 class VLLMEngine(RolloutEngine):
     """One vLLM engine (``tp`` ranks). ``model_dir``: an HF directory; with
-    ``load_format="dummy"`` only its config is read and the first sync brings the weights."""
+    ``load_format="dummy"`` only its config is read and the first sync brings the weights.
+    ``kv_cache_gib`` (CPU): the KV cache per TP rank; by default sized to the model and
+    ``max_model_len`` (`cpu_kv_cache_bytes`)."""
 
     name = "vllm"
 
     def __init__(self, model_dir: str | Path, *, tp: int = 1, dtype: str = "fp32", seed: int = 0,
                  max_model_len: int = 1024, placement: str = "colocated",
-                 cpu_bind: str | None = None, kv_cache_gib: int = 1, in_process: bool = False,
+                 cpu_bind: str | None = None, kv_cache_gib: float | None = None,
+                 in_process: bool = False,
                  load_format: str = "auto", gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, block_size: int | None = None,
                  weight_loading: str = "auto", timeout_s: float = 600.0,
@@ -94,12 +115,16 @@ class VLLMEngine(RolloutEngine):
         # On CPU vLLM puts even a TP1 worker in a process apart from its engine core: one
         # host process of ours runs both instead (`mcore_rl.engines.vllm_host`).
         hosted = cpu and tp == 1 and not in_process
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process or hosted else "1"}
+        env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process or hosted else "1"}
         if cpu:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+            env["VLLM_CPU_KVCACHE_SPACE"] = None  # the size is ours (kv_cache_memory_bytes)
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind or plan_cpu_placement(placement, tp).omp_bind
         self.supports_sleep = not cpu and vllm_shim.sleep_mode_available()
         config = json.loads((Path(model_dir) / "config.json").read_text())
+        kv_bytes = None
+        if cpu:
+            kv_bytes = (int(kv_cache_gib * 2**30) if kv_cache_gib is not None else
+                        cpu_kv_cache_bytes(config.get("text_config", config), dtype, max_model_len, tp))
         self.vocab_size = config["vocab_size"]
         self._experts_on_cpu = cpu and bool(config.get("num_experts")
                                             or config.get("num_local_experts"))
@@ -119,7 +144,8 @@ class VLLMEngine(RolloutEngine):
                 seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                 worker_extension_cls=vllm_shim.WORKER_EXTENSION, load_format=load_format,
-                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+                gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
+                enable_prefix_caching=True,
                 enable_sleep_mode=self.supports_sleep, block_size=block_size,
                 # CPU: a prompt prefilled in chunks has its sampled token discarded, and vLLM
                 # then rewinds the request's seeded generator by an offset, which a CPU

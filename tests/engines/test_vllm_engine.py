@@ -276,6 +276,30 @@ def test_on_cpu_at_tp1_the_engine_is_one_host_process_named_as_vllms_engine_core
     assert psutil.Process(host).cmdline()[:1] == ["VLLM::EngineCore"]
 
 
+def _kv_cache_tokens(llm) -> int:
+    cache = llm.llm_engine.vllm_config.cache_config
+    return cache.num_gpu_blocks * cache.block_size
+
+
+def test_the_kv_cache_holds_256_sequences_of_the_longest_length_and_little_more(engine):
+    """Sized to the model (`cpu_kv_cache_bytes`), not a fixed GiB that vLLM zeroes at start:
+    vLLM's own count of the tokens its cache holds (engine max_model_len 128)."""
+    tokens = engine._llm.call(_kv_cache_tokens)
+    assert 256 * 128 <= tokens <= 2 * 256 * 128
+
+
+def test_kv_cache_bytes_count_keys_and_values_of_every_layer_per_tp_rank_capped():
+    from mcore_rl.engines.vllm_engine import cpu_kv_cache_bytes
+
+    smollm2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+               "hidden_size": 576}
+    # keys and values x 30 layers x 3 heads x 64 dims x 2 bytes, 256 sequences of 1 block
+    assert cpu_kv_cache_bytes(smollm2, "bf16", 100) == 2 * 30 * 3 * 64 * 2 * 256 * 128
+    assert cpu_kv_cache_bytes({**smollm2, "head_dim": 32}, "fp32", 129, tp=3) == \
+        2 * 30 * 1 * 32 * 4 * 256 * 256
+    assert cpu_kv_cache_bytes(smollm2, "fp32", 4096) == 2 * 2**30  # the limit
+
+
 def test_close_ends_the_engine_processes_and_unlinks_the_shared_memory_they_held(engine):
     """(Last in the module: it closes the module's engine.)"""
     import psutil
