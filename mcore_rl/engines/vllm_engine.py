@@ -37,8 +37,10 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 WEIGHT_LOADING = ("auto", "layerwise")
 CPU_MAX_SEQS = 256
 """Sequences vLLM's CPU engine schedules at once (its default ``max_num_seqs``)."""
-KV_CACHE_LIMIT_GIB = 2.0
-"""The most a CPU engine's KV cache takes per TP rank unless ``kv_cache_gib`` says more."""
+KV_CACHE_LIMIT_GIB = 1.0
+"""The most a CPU engine's KV cache takes per TP rank unless ``kv_cache_gib`` says more (the
+engine shares the machine's memory with the trainer: SmolLM2-135M's rank took 16 GiB with
+natural lengths, and 2 GiB more for the cache pushed the run over Ray's memory limit on 24 GiB)."""
 
 
 def cpu_kv_cache_bytes(config: dict, dtype: str, max_model_len: int, tp: int = 1,
@@ -46,7 +48,7 @@ def cpu_kv_cache_bytes(config: dict, dtype: str, max_model_len: int, tp: int = 1
     """KV-cache bytes per TP rank for a CPU engine: room for `CPU_MAX_SEQS` sequences of
     ``max_model_len`` tokens (whole 128-token blocks) of the HF model ``config``, at most
     ``limit_gib``. A tiny model needs a few MiB, where a fixed 1 GiB took 1.8 s of every
-    start to zero; SmolLM2-135M in fp32 at 321 tokens fit 60 sequences in 1 GiB."""
+    start to zero; SmolLM2-135M in fp32 at 321 tokens fits 60 sequences in the limit."""
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     per_token = (2 * config["num_hidden_layers"] * max(1, heads // tp) * head_dim
