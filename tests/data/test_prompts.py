@@ -4,7 +4,7 @@ import json
 import pytest
 
 from mcore_rl.config import DataConfig
-from mcore_rl.data.prompts import PromptStream, load_prompt_records, read_records
+from mcore_rl.data.prompts import PromptRecord, PromptStream, load_prompt_records, read_records
 from mcore_rl.data.tokenizer import CharTokenizer
 from mcore_rl.errors import UsageError
 
@@ -61,3 +61,23 @@ def test_char_tokenizer_round_trips_and_rejects_unknown_characters(tmp_path):
     assert CharTokenizer.load(tmp_path).encode("12") == tok.encode("12")
     with pytest.raises(ValueError, match="not in the tokenizer's alphabet"):
         tok.encode("x")
+
+
+def test_a_prompt_stream_shuffles_once_per_epoch_in_the_seeded_order(monkeypatch):
+    import random
+
+    records = [PromptRecord(str(i), {}) for i in range(5000)]
+    shuffles = []
+    shuffle = random.Random.shuffle
+    monkeypatch.setattr(random.Random, "shuffle", lambda self, x: shuffles.append(1) or shuffle(self, x))
+    stream = PromptStream(records, seed=3)
+    taken = [int(r.prompt) for r in stream.take(5200)]  # the first epoch and part of the second
+    assert len(shuffles) == 2  # not once per record taken (5,200 shuffles of 5,000 records)
+    expected = []
+    for epoch in (0, 1):
+        order = list(range(5000))
+        random.Random(3 * 1_000_003 + epoch).shuffle(order)
+        expected += order
+    assert taken == expected[:5200]
+    stream.position = 10  # moved back (a resume): the first epoch's order again
+    assert [int(r.prompt) for r in stream.take(3)] == expected[10:13]
