@@ -36,7 +36,7 @@ TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 WEIGHT_LOADING = ("auto", "layerwise")
 CPU_MAX_SEQS = 256
-"""Sequences vLLM's CPU engine schedules at once (its default ``max_num_seqs``)."""
+"""Sequences the CPU KV cache is sized for (vLLM's default ``max_num_seqs`` per TP rank)."""
 KV_CACHE_LIMIT_GIB = 1.0
 """The most a CPU engine's KV cache takes per TP rank unless ``kv_cache_gib`` says more (the
 engine shares the machine's memory with the trainer: SmolLM2-135M's rank took 16 GiB with
@@ -47,14 +47,17 @@ def cpu_kv_cache_bytes(config: dict, dtype: str, max_model_len: int, tp: int = 1
                        limit_gib: float = KV_CACHE_LIMIT_GIB) -> int:
     """KV-cache bytes per TP rank for a CPU engine: room for `CPU_MAX_SEQS` sequences of
     ``max_model_len`` tokens (whole 128-token blocks) of the HF model ``config``, at most
-    ``limit_gib``. A tiny model needs a few MiB, where a fixed 1 GiB took 1.8 s of every
-    start to zero; SmolLM2-135M in fp32 at 321 tokens fits 60 sequences in the limit."""
+    ``limit_gib``, and never less than one sequence of ``max_model_len`` (and the block vLLM
+    keeps back), without which vLLM refuses to start. A tiny model needs a few MiB, where a
+    fixed 1 GiB took 1.8 s of every start to zero; SmolLM2-135M in fp32 at 321 tokens fits
+    60 sequences in the limit."""
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     per_token = (2 * config["num_hidden_layers"] * max(1, heads // tp) * head_dim
                  * torch.empty((), dtype=getattr(torch, DTYPES[dtype])).element_size())
-    tokens = CPU_MAX_SEQS * -(-max_model_len // 128) * 128
-    return min(tokens * per_token, int(limit_gib * 2**30))
+    blocks = -(-max_model_len // 128)
+    one_sequence = (blocks + 1) * 128 * per_token
+    return max(one_sequence, min(CPU_MAX_SEQS * blocks * 128 * per_token, int(limit_gib * 2**30)))
 
 
 @contextlib.contextmanager
@@ -117,16 +120,22 @@ class VLLMEngine(RolloutEngine):
         # On CPU vLLM puts even a TP1 worker in a process apart from its engine core: one
         # host process of ours runs both instead (`mcore_rl.engines.vllm_host`).
         hosted = cpu and tp == 1 and not in_process
-        env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process or hosted else "1"}
+        env: dict[str, str | None] = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process or hosted else "1"}
         if cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = None  # the size is ours (kv_cache_memory_bytes)
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind or plan_cpu_placement(placement, tp).omp_bind
         self.supports_sleep = not cpu and vllm_shim.sleep_mode_available()
         config = json.loads((Path(model_dir) / "config.json").read_text())
         kv_bytes = None
-        if cpu:
-            kv_bytes = (int(kv_cache_gib * 2**30) if kv_cache_gib is not None else
-                        cpu_kv_cache_bytes(config.get("text_config", config), dtype, max_model_len, tp))
+        if cpu and kv_cache_gib is not None:
+            if not kv_cache_gib > 0:
+                raise ValueError(f"kv_cache_gib={kv_cache_gib}: give a positive size in GiB, "
+                                 "or None to size the KV cache to the model")
+            kv_bytes = int(kv_cache_gib * 2**30)
+        elif cpu:
+            kv_bytes = cpu_kv_cache_bytes(config.get("text_config", config), dtype,
+                                          max_model_len, tp)
         self.vocab_size = config["vocab_size"]
         self._experts_on_cpu = cpu and bool(config.get("num_experts")
                                             or config.get("num_local_experts"))

@@ -298,6 +298,10 @@ def test_kv_cache_bytes_count_keys_and_values_of_every_layer_per_tp_rank_capped(
     assert cpu_kv_cache_bytes({**smollm2, "head_dim": 32}, "fp32", 129, tp=3) == \
         2 * 30 * 1 * 32 * 4 * 256 * 256
     assert cpu_kv_cache_bytes(smollm2, "fp32", 4096) == 2**30  # the limit
+    # one sequence of the longest length always fits, with the block vLLM keeps back
+    llama8b = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "hidden_size": 4096}
+    assert cpu_kv_cache_bytes(llama8b, "fp32", 8192) == 2 * 32 * 8 * 128 * 4 * (64 + 1) * 128
 
 
 def test_close_ends_the_engine_processes_and_unlinks_the_shared_memory_they_held(engine):
