@@ -83,15 +83,16 @@ class PromptStream:
         self.records = records
         self.seed = seed
         self.position = 0
-        self._epoch_order: tuple[int, list[int]] | None = None
+        self._epoch_order: tuple[tuple, list[int]] | None = None
 
     def _order(self, epoch: int) -> list[int]:
         """The records' order in ``epoch`` (shuffled once per epoch: a take of n records
         from N once shuffled N records n times)."""
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
+        key = (epoch, self.seed, len(self.records))
+        if self._epoch_order is None or self._epoch_order[0] != key:
             order = list(range(len(self.records)))
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._epoch_order = (epoch, order)
+            self._epoch_order = (key, order)
         return self._epoch_order[1]
 
     def take(self, n: int) -> list[PromptRecord]:

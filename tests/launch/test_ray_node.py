@@ -100,8 +100,13 @@ class _LowestFreePortOS:
 
 
 def test_a_nodes_ports_differ_even_when_the_os_hands_out_the_lowest_free_one(ray_tmp, monkeypatch):
-    fake = _LowestFreePortOS(first=20_000)  # inside the worker-port range, to be kept out of it
-    monkeypatch.setattr(ray_node.socket, "socket", fake.socket)
+    import socket
+    import types
+
+    fake = _LowestFreePortOS(first=20_000)  # the node's worker ports start there: kept out
+    monkeypatch.setattr(ray_node, "socket", types.SimpleNamespace(
+        socket=fake.socket, gethostname=socket.gethostname, gethostbyname=socket.gethostbyname))
+    monkeypatch.setattr(ray_node, "free_port_window", lambda: 20_000)
     monkeypatch.setattr(ray_node, "node_ip", lambda: "127.0.0.1")
     for head in (True, False):
         args = ray_node.start_args("7", head, 6400 if head else None,
@@ -111,5 +116,6 @@ def test_a_nodes_ports_differ_even_when_the_os_hands_out_the_lowest_free_one(ray
         picked = [int(v) for k, v in values.items() if k.endswith("-port")
                   and k not in ("--port", "--min-worker-port", "--max-worker-port")]
         assert len(picked) == len(set(picked)) == (7 if head else 6)
+        assert (low, high) == (20_000, 20_000 + ray_node.WORKER_PORTS - 1)
         assert not any(low <= p <= high for p in picked)
         assert not fake.bound  # every socket let go of once the ports are picked
