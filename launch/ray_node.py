@@ -33,6 +33,11 @@ WORKER_PORTS = 200
 """Ports reserved for each node's Ray workers (one per worker process)."""
 WORKER_PORT_RANGE = (20000, 30000)
 """Where worker ports are looked for: outside the ephemeral range and Ray's default one."""
+NODE_SERVICES = ("node-manager", "object-manager", "dashboard-agent-listen",
+                 "dashboard-agent-grpc", "metrics-export", "runtime-env-agent")
+"""Ray's services on every node, each given a port of its own (``--<service>-port``)."""
+HEAD_SERVICES = ("ray-client-server",)
+"""Ray's services on the head node only, besides the GCS (``--port``)."""
 
 
 def node_name() -> str:
@@ -102,17 +107,14 @@ def start_args(job: str, head: bool, port: int | None, address: str | None, num_
     """``ray start`` arguments for this node: its temp dir, its address, its own ports."""
     first_worker_port = free_port_window()
     workers = range(first_worker_port, first_worker_port + WORKER_PORTS)
-    ports = iter(free_ports(7 if head else 6, avoid=workers))
+    services = NODE_SERVICES + (HEAD_SERVICES if head else ())
     args = [ray_command(), "start", "--block", "--disable-usage-stats",
             f"--temp-dir={temp_dir(job)}", f"--node-ip-address={node_ip()}",
-            f"--node-manager-port={next(ports)}", f"--object-manager-port={next(ports)}",
             f"--min-worker-port={workers.start}", f"--max-worker-port={workers.stop - 1}",
-            f"--dashboard-agent-listen-port={next(ports)}",
-            f"--dashboard-agent-grpc-port={next(ports)}",
-            f"--metrics-export-port={next(ports)}", f"--runtime-env-agent-port={next(ports)}"]
+            *(f"--{service}-port={p}"
+              for service, p in zip(services, free_ports(len(services), avoid=workers)))]
     if head:
-        args += ["--head", f"--port={port}", "--include-dashboard=false",
-                 f"--ray-client-server-port={next(ports)}"]
+        args += ["--head", f"--port={port}", "--include-dashboard=false"]
     else:
         args.append(f"--address={address}")
     if num_cpus is not None:
