@@ -122,6 +122,13 @@ class Batch:
         meta = {k: list(v) + [None] * extra for k, v in self.meta.items()}
         return Batch(tensors, meta, dict(self.info))
 
+    def to(self, device: torch.device | str) -> "Batch":
+        """The batch with its tensors on ``device`` (itself when they are all there already)."""
+        device = torch.device(device)
+        if all(v.device == device for v in self.tensors.values()):
+            return self
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.meta, dict(self.info))
+
     def with_tensors(self, **tensors: torch.Tensor) -> "Batch":
         """A batch with fields added or replaced (the original is unchanged)."""
         return Batch({**self.tensors, **tensors}, self.meta, dict(self.info))

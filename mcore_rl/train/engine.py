@@ -112,7 +112,7 @@ class TrainEngine:
             values = output.float().reshape(output.shape[0], output.shape[1])
             if self.kind == "reward":  # the scalar head's output at the last real token
                 last = (mb["attention_mask"].sum(-1) - 1).clamp(min=0)
-                return {"reward": values[torch.arange(len(last)), last]}
+                return {"reward": values[torch.arange(len(last), device=last.device), last]}
             return {"values": shift_right(values) * real}
         tp_group = self.ctx.tp_group if self.ctx.tp > 1 else None
         if self.output_weight is not None:
@@ -159,7 +159,7 @@ class TrainEngine:
         return self._is_moe and self.ctx.ep > 1
 
     def _max_over_dp(self, *values: int) -> int | tuple[int, ...]:
-        t = torch.tensor(values, dtype=torch.long)
+        t = torch.tensor(values, dtype=torch.long, device=self.ctx.device)  # NCCL: on the GPU
         if self.ctx.dp > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)
         return int(t[0]) if len(values) == 1 else tuple(int(v) for v in t)
@@ -168,7 +168,8 @@ class TrainEngine:
                       collect: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro = [batch.select(idx).trimmed() for idx in plan]
+        # Micro-batches go to the model's device (the batch itself stays where it was made).
+        micro = [batch.select(idx).trimmed().to(self.ctx.device) for idx in plan]
         if self.ctx.vpp and megatron_cpu_compat.is_applied():
             # Over gloo the interleaved schedule cannot exchange per-micro-batch shapes (the
             # shape messages of both directions to the same peer get crossed): give every
@@ -434,7 +435,8 @@ class TrainEngine:
             dist.broadcast_object_list(box, src=dist.get_process_group_ranks(self.ctx.pp_group)[-1],
                                        group=self.ctx.pp_group)
             names = box[0]
-        local = torch.tensor([sum(float(r[n]) for r in reports) for n in names], dtype=torch.float64)
+        local = torch.tensor([sum(float(r[n]) for r in reports) for n in names], dtype=torch.float64,
+                             device=self.ctx.device)  # NCCL reduces GPU tensors only
         if self.ctx.pp > 1:
             dist.broadcast(local, src=dist.get_process_group_ranks(self.ctx.pp_group)[-1],
                            group=self.ctx.pp_group)

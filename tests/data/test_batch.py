@@ -53,3 +53,14 @@ def test_per_token_fields_with_trailing_dimensions_pad_along_the_tokens():
 def test_fields_with_different_sequence_counts_are_rejected():
     with pytest.raises(ValueError, match="disagree on the number of sequences"):
         Batch({"input_ids": torch.zeros(2, 3), "x": torch.zeros(3)})
+
+
+def test_to_moves_every_tensor_and_keeps_metadata():
+    b = Batch.from_sequences([[1, 2], [3]], uid=["a", "b"])
+    b.info["step"] = 3
+    assert b.to("cpu") is b  # already there: no copy
+    moved = b.to("meta")
+    assert {v.device.type for v in moved.tensors.values()} == {"meta"}
+    assert moved.tensors.keys() == b.tensors.keys() and moved["input_ids"].shape == (2, 2)
+    assert moved.meta == {"uid": ["a", "b"]} and moved.info == {"step": 3}
+    assert b["input_ids"].device.type == "cpu"  # the original stays
