@@ -82,7 +82,8 @@ def uses_sequence_parallel(arch: ModelArch, tp: int) -> bool:
 def layer_spec(arch: ModelArch, transformer_engine: bool | None = None,
                sequence_parallel: bool = False):
     """The TE spec when Transformer Engine and CUDA are present, else the local spec (with
-    norms that run sequence-parallel, `mcore_rl.models.norms`, where it is on)."""
+    PyTorch's fused attention, `mcore_rl.models.sdpa_attention`, and norms that run
+    sequence-parallel, `mcore_rl.models.norms`, where it is on)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if transformer_engine is None:
@@ -96,6 +97,10 @@ def layer_spec(arch: ModelArch, transformer_engine: bool | None = None,
     spec = specs.get_gpt_layer_local_spec(num_experts=arch.num_experts or None,
                                           moe_grouped_gemm=False, normalization="RMSNorm",
                                           qk_layernorm=arch.qk_norm)
+    # PyTorch's fused attention instead of Megatron's, which keeps every head's [s, s] scores
+    from mcore_rl.models.sdpa_attention import SDPAttention
+
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if sequence_parallel:
         from mcore_rl.models.norms import LocalRMSNorm, SequenceParallelRMSNorm
 
