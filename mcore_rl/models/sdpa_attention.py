@@ -3,10 +3,10 @@
 
 Megatron's local `DotProductAttention` materialises the scores and probabilities of every
 head, [b, heads, s, s], and keeps the probabilities for backward: for one 4096-token
-sequence of a 9-head, 30-layer model in fp32, 18 GB. PyTorch's fused attention (flash attention on CPU
-and GPU) computes the same softmax(QK^T * scale) V blockwise and keeps only the output and
-the log-sum-exp, so memory grows with s, not s^2, and grouped-query attention reads the KV
-heads without repeating them.
+sequence of a 9-head, 30-layer model in fp32, 18 GB. PyTorch's fused attention (flash
+attention on CPU and GPU) computes the same softmax(QK^T * scale) V blockwise and keeps only
+the output and the log-sum-exp, so memory grows with s, not s^2, and grouped-query attention
+reads the KV heads without repeating them.
 
 It takes the cases our models run: causal self-attention without a mask tensor (right
 padding needs none), no attention bias, no sliding window, no learnable softmax offset and
@@ -14,7 +14,6 @@ no attention dropout while training. Anything else goes to Megatron's own implem
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -23,7 +22,8 @@ from megatron.core.transformer.enums import AttnMaskType
 class SDPAttention(DotProductAttention):
     """`DotProductAttention` with the fused kernel where it computes the same thing."""
 
-    def _fused_applies(self, query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params) -> bool:
+    def _fused_applies(self, query, key, attention_mask, attn_mask_type, attention_bias,
+                       packed_seq_params) -> bool:
         config = self.config
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         return (attention_mask is None and attention_bias is None and packed_seq_params is None
@@ -35,14 +35,15 @@ class SDPAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if not self._fused_applies(query, key, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
+        if not self._fused_applies(query, key, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params):
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        groups = q.shape[1] // k.shape[1]
+        grouped = self.num_attention_heads_per_partition > self.num_query_groups_per_partition
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                             enable_gqa=groups > 1)
+                                             enable_gqa=grouped)
         # [b, heads, s, d] -> [s, b, heads * d]
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)

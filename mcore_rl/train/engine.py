@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from mcore_rl.data.batch import Batch
 from mcore_rl.parallel import ParallelContext, megatron_cpu_compat
+from mcore_rl.parallel.agreement import backend_device
 from mcore_rl.train.micro_batches import pack_micro_batches, split_for_data_parallel, units_of
 from mcore_rl.train.moe_metrics import aux_loss_metrics, clear_aux_losses
 from mcore_rl.train.routing_replay import ROUTES
@@ -159,8 +160,9 @@ class TrainEngine:
         return self._is_moe and self.ctx.ep > 1
 
     def _max_over_dp(self, *values: int) -> int | tuple[int, ...]:
-        t = torch.tensor(values, dtype=torch.long, device=self.ctx.device)  # NCCL: on the GPU
+        t = torch.tensor(values, dtype=torch.long)
         if self.ctx.dp > 1:
+            t = t.to(backend_device(self.ctx.dp_group))
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)
         return int(t[0]) if len(values) == 1 else tuple(int(v) for v in t)
 
@@ -435,8 +437,9 @@ class TrainEngine:
             dist.broadcast_object_list(box, src=dist.get_process_group_ranks(self.ctx.pp_group)[-1],
                                        group=self.ctx.pp_group)
             names = box[0]
-        local = torch.tensor([sum(float(r[n]) for r in reports) for n in names], dtype=torch.float64,
-                             device=self.ctx.device)  # NCCL reduces GPU tensors only
+        local = torch.tensor([sum(float(r[n]) for r in reports) for n in names], dtype=torch.float64)
+        if self.ctx.pp > 1 or self.ctx.dp > 1:
+            local = local.to(backend_device(self.ctx.world_group))
         if self.ctx.pp > 1:
             dist.broadcast(local, src=dist.get_process_group_ranks(self.ctx.pp_group)[-1],
                            group=self.ctx.pp_group)

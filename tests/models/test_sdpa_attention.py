@@ -55,6 +55,7 @@ def test_fused_attention_equals_megatrons_in_outputs_and_gradients():
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
         for name, a, r in zip("qkv", grads, ref_grads):
             assert r.abs().sum() > 0
-            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"d{n}: {m}")
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"d{n}: {m}")
         assert torch.equal(masked[0], masked[1]) and not torch.allclose(masked[0], out)
         assert torch.equal(short[0], short[1])
