@@ -3,8 +3,7 @@
 Tiny Llama (untied, vocabulary padded 1003 -> 1024), Qwen2 (QKV bias, tied embeddings) and
 Qwen3 (per-head QK norm, untied), head_dim 32, fp32. Per model, engine replicas fed by the
 same sync (Llama and Qwen2: vLLM at engine TP1 and at engine TP2; Qwen3: TP2), started once
-from the config only (``load_format="dummy"``), and per trainer layout (TP2 and TP2 x PP2
-on 4 ranks for Llama; TP2 x PP2 for the others):
+from the config only (``load_format="dummy"``), from a trainer at TP2 x PP2 on 4 ranks:
 
 1. sync the initial weights; greedy tokens equal HF greedy of the initial checkpoint;
 2. one Adam step (large enough to change greedy outputs), sync again;
@@ -25,12 +24,10 @@ from mcore_rl.wire import WeightSyncError
 from tests.models.tiny_hf import load_hf, save_tiny_hf_model
 from tests.world import SharedWorld
 
-LAYOUTS = {"TP2": (2, 1), "TP2xPP2": (2, 2)}
-# Trainer layouts per model: TP alone and TP2 x PP2, which splits both ways (Llama; PP alone
-# is a case of it); the other families differ in their tensors (QKV bias, tied embeddings
-# across stages, QK norm), which TP2 x PP2 splits.
-LAYOUTS_OF = {"llama-untied": ("TP2", "TP2xPP2"), "qwen2-tied": ("TP2xPP2",),
-              "qwen3-untied": ("TP2xPP2",)}
+LAYOUT = (2, 2)
+# TP2 x PP2 splits both ways (TP or PP alone is a case of it; every layout's exact tensors
+# into an engine: tests/reshard/test_stream_layouts.py); the families differ in their
+# tensors (QKV bias, tied embeddings across stages, QK norm).
 # per model: (engine TP, placement) of its replicas; the TP1 engines cover both placements;
 # Qwen3 (one replica at engine TP2) adds only its QK norms (Qwen2 last: the tests after the parametrized one use its replicas, already running.)
 REPLICAS = {"llama-untied": ((1, "separate"), (2, "colocated")),
@@ -167,22 +164,20 @@ def _step_and_sync(rank, world_size, variant, hf_dir, pid_file, layout, work):
 def test_after_a_step_vllm_greedy_equals_hf_greedy_of_the_exported_weights(world, hf_dirs, tmp_path,
                                                                           variant):
     initial = hf_greedy(hf_dirs[variant])
-    for name in LAYOUTS_OF[variant]:
-        layout = LAYOUTS[name]
-        result = world.run(_step_and_sync, variant, hf_dirs[variant], PID_FILE, layout,
-                           str(tmp_path / name))[0]
-        assert result["buckets"] > 3, "the model must span several buckets"
-        assert result["transport"] == "shared", "CPU parameters that own their memory are shared"
-        exported = hf_greedy(result["exported"])
-        for i, (engine_tp, _) in enumerate(REPLICAS[variant]):
-            where = f"{variant} trainer {name} -> engine TP{engine_tp}"
-            assert result["before"][i] == initial, where
-            assert result["after"][i] == exported, where
-            assert result["after"][i] != result["before"][i], f"{where}: greedy tokens must change"
-            assert result["versions"][i] == {2}
-            assert result["modes"][i] == "direct", where
-            report = result["reports"][i]
-            assert report.tokens >= 16 and report.max_abs_diff <= LOGPROB_TOL, (where, report)
+    result = world.run(_step_and_sync, variant, hf_dirs[variant], PID_FILE, LAYOUT,
+                       str(tmp_path))[0]
+    assert result["buckets"] > 3, "the model must span several buckets"
+    assert result["transport"] == "shared", "CPU parameters that own their memory are shared"
+    exported = hf_greedy(result["exported"])
+    for i, (engine_tp, _) in enumerate(REPLICAS[variant]):
+        where = f"{variant} trainer TP2xPP2 -> engine TP{engine_tp}"
+        assert result["before"][i] == initial, where
+        assert result["after"][i] == exported, where
+        assert result["after"][i] != result["before"][i], f"{where}: greedy tokens must change"
+        assert result["versions"][i] == {2}
+        assert result["modes"][i] == "direct", where
+        report = result["reports"][i]
+        assert report.tokens >= 16 and report.max_abs_diff <= LOGPROB_TOL, (where, report)
 
 
 def _corrupt_bucket_one(k, buffer, manifest):
