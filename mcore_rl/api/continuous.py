@@ -165,7 +165,8 @@ class ContinuousGenerate:
             prefix = group.samples[sample]
             done = len(prefix.token_ids) if prefix is not None else 0
             prompt = prompt + (prefix.token_ids if prefix is not None else [])
-            sampling = replace(sampling, n=1, max_new_tokens=sampling.max_new_tokens - done)
+            sampling = replace(sampling, n=1, max_new_tokens=sampling.max_new_tokens - done,
+                               min_new_tokens=max(0, sampling.min_new_tokens - done))
             seed = group.seed + 7919 * (sample + 1) + self.counter  # a stream of its own
         with self.lock:
             if self.sleeping or self.engine.asleep:

@@ -47,7 +47,8 @@ def parts(tmp_path_factory):
     engine.close()
 
 
-def _rollout(parts, monkeypatch, mode: str, samples: int = 1, switches=(SWITCH_AFTER,)):
+def _rollout(parts, monkeypatch, mode: str, samples: int = 1, switches=(SWITCH_AFTER,),
+             min_new_tokens: int = 0):
     """Four prompt groups of ``samples`` samples through the role, the other weights (and
     back, and so on) loaded after each of ``switches`` engine steps; per group: prompt ids,
     response ids, their versions (of its first sample); the role's counts; every sample's
@@ -59,6 +60,7 @@ def _rollout(parts, monkeypatch, mode: str, samples: int = 1, switches=(SWITCH_A
     engine.load_weights_from_dir(str(parts.model_dir), version=0)  # and an empty prefix cache
     cfg = replace(parts.cfg, rollout=replace(parts.cfg.rollout, partial_rollout=mode,
                                              n_samples_per_prompt=samples,
+                                             min_new_tokens=min_new_tokens,
                                              temperature=0.0 if samples == 1 else 1.0))
     real_step, steps = engine.step, itertools.count(1)
 
@@ -134,3 +136,14 @@ def test_every_sample_of_a_group_cut_by_two_syncs_is_continued_once_per_sync(par
     cuts = sum(len(set(versions)) - 1 for _, versions in every)
     assert cuts > 0 and counts["partial_continued"] >= cuts
     assert counts["partial_continued"] <= 2 * 16  # at most once per sample and sync
+
+
+def test_a_continued_response_keeps_its_minimum_length_counted_from_its_first_token(parts,
+                                                                                    monkeypatch):
+    """``rollout.min_new_tokens`` counts the whole response: a continuation asks only for
+    what its slot still lacks (asking the full minimum of its shorter remainder is refused
+    by the engine, and would lengthen the response past the limit)."""
+    groups, counts, every = _rollout(parts, monkeypatch, "continue", samples=4, switches=(3,),
+                                     min_new_tokens=NEW_TOKENS)
+    assert counts["partial_continued"] > 0
+    assert [len(response) for response, _ in every] == [NEW_TOKENS] * 16
