@@ -15,13 +15,16 @@ budget is used up, and returns `FlowStats`::
     group.add(Controller(role="trainer", data_input=rollout, function=Trainer, batch_items=2))
     stats = launch(group, data=prompt_batches, num_epochs=3)
 
-Backpressure: a producer blocks once ``buffer_size`` items wait in its output, so a fast
-role runs at most that far ahead of a slow one. End-of-stream: when all producers of a
+A function that finishes several small items at once may hand them on as one entry
+(`Many`: one object-store put and one call for all of them); consumers take its items one
+by one. Backpressure: a producer blocks once ``buffer_size`` entries wait in its output,
+so a fast role runs at most that far ahead of a slow one. End-of-stream: when all producers of a
 stream have finished, its consumers finish too. Devices are cores on CPU: a controller
 with devices pins its process to them, controllers sharing a device take turns one call
 at a time (and hold no turn while they wait on a stream). The first failure anywhere ends
 the launch with a `FlowError` naming the role and instance, and kills every process.
 """
+from mcore_rl.flow.entries import Many
 from mcore_rl.flow.graph import Controller, ControllerGroup, DataStream, Factory, factory
 from mcore_rl.flow.launch import FlowError, launch
 from mcore_rl.flow.megatron import Megatron, rank_context
@@ -29,5 +32,5 @@ from mcore_rl.flow.services import Remote, finish_launch, lookup, publish
 from mcore_rl.flow.stats import ControllerStats, FlowStats
 from mcore_rl.flow.strategies import STRATEGIES
 
-__all__ = ["DataStream", "Controller", "ControllerGroup", "Factory", "factory", "launch",
+__all__ = ["DataStream", "Controller", "ControllerGroup", "Factory", "factory", "launch", "Many",
            "FlowError", "FlowStats", "ControllerStats", "STRATEGIES", "Megatron", "rank_context", "publish", "lookup", "finish_launch", "Remote"]

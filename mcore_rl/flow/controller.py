@@ -14,7 +14,8 @@ import time
 from typing import Any, Iterator
 
 from mcore_rl.flow import ray_shim, services
-from mcore_rl.flow.hub import ENDED, OPEN
+from mcore_rl.flow.entries import Many, unpack
+from mcore_rl.flow.hub import CANCELLED, ENDED, OPEN
 from mcore_rl.flow.plan import InstanceSpec
 from mcore_rl.flow.stats import ControllerStats
 from mcore_rl.flow.strategies import Executor, resolve_strategy
@@ -78,14 +79,11 @@ class ControllerProcess:
         start = time.perf_counter()
         results = self._streamed(hub, stats) if spec.streaming else self._called(hub, stats)
         for result in results:
-            if result is None or spec.output is None:
+            if result is None or spec.output is None or not unpack(result):
                 continue
-            t = time.perf_counter()
-            accepted = ray.get(hub.put.remote(spec.output, [ray.put(result)]))
-            stats.blocked_out_s += time.perf_counter() - t
-            if not accepted:
+            put = hub.put.remote(spec.output, [ray.put(result)])
+            if not self._acknowledged(put, len(unpack(result)), stats):
                 break
-            stats.items_out += 1
         if spec.output is not None:
             ray.get(hub.close.remote(spec.output))
         stats.wall_s = time.perf_counter() - start
@@ -93,22 +91,42 @@ class ControllerProcess:
             stats.busy_s = max(0.0, stats.wall_s - stats.blocked_in_s - stats.blocked_out_s)
         return stats
 
+    @staticmethod
+    def _acknowledged(put: Any, items: int, stats: ControllerStats) -> bool:
+        """Wait for a put of ``items`` items into the output stream (a full stream holds it
+        back); whether the stream took them (False once the launch is cancelled)."""
+        t = time.perf_counter()
+        accepted = ray_shim.require().get(put)
+        stats.blocked_out_s += time.perf_counter() - t
+        stats.items_out += items if accepted else 0
+        stats.puts += int(accepted)
+        return accepted
+
     def _called(self, hub: Any, stats: ControllerStats) -> Iterator[Any]:
-        """The function called per (merged) input item; its results."""
+        """The function called per (merged) input item; its results (a function may return
+        `Many` items, or None for none). The results of the calls on one entry's items go on
+        together, as one entry."""
         ray = ray_shim.require()
         spec = self.spec
-        for count, item in self._inputs(hub, stats):
+        together: list = []
+        for count, item, entry_done in self._inputs(hub, stats):
             if spec.counts_steps and not ray.get(hub.take_step.remote()):
-                return
+                break
             result = self._call(item, hub, stats)
             if spec.reports_done:
                 ray.get(hub.sink_done.remote(count))
-            yield result
+            if result is not None:
+                together += unpack(result)
+            if entry_done and together:
+                yield together[0] if len(together) == 1 else Many(together)
+                together = []
+        if together:  # the launch stopped within an entry
+            yield Many(together)
 
     def _streamed(self, hub: Any, stats: ControllerStats) -> Iterator[Any]:
         """The streaming function, given the input iterator; what it yields."""
         def inputs() -> Iterator[Any]:
-            for _, item in self._inputs(hub, stats):
+            for _, item, _ in self._inputs(hub, stats):
                 stats.calls += 1
                 yield item
 
@@ -132,24 +150,34 @@ class ControllerProcess:
                 kill_process_group(pid)
         os.killpg(os.getpid(), signal.SIGKILL)
 
-    def _inputs(self, hub: Any, stats: ControllerStats) -> Iterator[tuple[int, Any]]:
-        """(how many stream items, the call's input) until the input stream ends."""
+    def _inputs(self, hub: Any, stats: ControllerStats) -> Iterator[tuple[int, Any, bool]]:
+        """(how many stream items, the call's input, whether it holds the last item of the
+        entries taken so far) until the input stream ends. An entry of several items
+        (`Many`) is taken apart: its items may go to different calls."""
         ray = ray_shim.require()
         k = self.spec.batch_items
         group: list = []
+        taken: list = []  # items of the entries taken, not yet in a call's input
         state = OPEN
-        while state == OPEN:
-            t = time.perf_counter()
-            boxes, state = ray.get(hub.get.remote(self.spec.input, k - len(group)))
-            values = ray.get([box[0] for box in boxes]) if boxes else []
-            stats.blocked_in_s += time.perf_counter() - t
-            stats.items_in += len(values)
-            group += values
+        while True:
+            if not taken:
+                if state != OPEN:
+                    break
+                t = time.perf_counter()
+                boxes, state = ray.get(hub.get.remote(self.spec.input, k - len(group)))
+                values = ray.get([box[0] for box in boxes]) if boxes else []
+                stats.blocked_in_s += time.perf_counter() - t
+                taken = [item for value in values for item in unpack(value)]
+                stats.items_in += len(taken)
+                if state == CANCELLED:
+                    return
+            n = min(k - len(group), len(taken))
+            group, taken = group + taken[:n], taken[n:]
             if len(group) == k:
-                yield k, merge_items(group, k)
+                yield k, merge_items(group, k), not taken
                 group = []
         if group and state == ENDED:
-            yield len(group), merge_items(group, k)
+            yield len(group), merge_items(group, k), True
 
     def _call(self, item: Any, hub: Any, stats: ControllerStats) -> Any:
         ray = ray_shim.require()

@@ -151,11 +151,12 @@ class Hub:
             self.done += items
             self.done_changed.notify_all()
 
-    async def wait_done(self, n: int) -> bool:
-        """Wait until the sinks have finished ``n`` items; False if the launch is stopping."""
+    async def wait_done(self, n: int) -> int | None:
+        """Wait until the sinks have finished ``n`` items; how many they have finished, or
+        None if the launch is stopping first."""
         async with self.done_changed:
             await self.done_changed.wait_for(lambda: self.done >= n or self.stopping)
-            return self.done >= n
+            return self.done if self.done >= n else None
 
     async def publish(self, name: str, boxed_handle: list) -> None:
         if name in self.services:

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 from mcore_rl.errors import UsageError
 from mcore_rl.flow import ray_shim
 from mcore_rl.flow.controller import ControllerProcess, kill_process_group
+from mcore_rl.flow.entries import Many
 from mcore_rl.flow.graph import ControllerGroup
 from mcore_rl.flow.hub import Hub
 from mcore_rl.flow.plan import FEED, InstanceSpec, Plan, build_plan
@@ -75,6 +76,16 @@ def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
         return _Launch(plan, steps, max_in_flight).execute(data, num_epochs)
 
 
+def feed_entry_items(max_in_flight: int | None, sources: int) -> int:
+    """Items per entry of the feed: one without ``max_in_flight``; with it, half the
+    window spread over the sources (an entry goes to one source instance), so a launch
+    that admits many items at once (the asynchronous schedule: a step's prompt groups)
+    puts a few entries instead of an entry per item."""
+    if max_in_flight is None:
+        return 1
+    return max(1, max_in_flight // (2 * max(1, sources)))
+
+
 class _Launch:
     """The actors of one launch and the driver's side of it."""
 
@@ -131,20 +142,41 @@ class _Launch:
         return [results[i] for i in range(len(self.actors))]
 
     def _feed(self, data: Iterable[Any], num_epochs: int | None) -> None:
+        """Put ``data`` into the sources' stream, at most ``max_in_flight`` items ahead of
+        the sinks. Items admitted at the same moment go in together, up to
+        `feed_entry_items` per entry (`Many`: one put, one call for all of them)."""
         ray = self.ray
         try:
-            epoch, one_shot, total = 0, iter(data) is data, 0
+            epoch, one_shot, total, chunk = 0, iter(data) is data, 0, []
+            admitted = self.max_in_flight  # items the launch may have fed so far
+            per_entry = feed_entry_items(self.max_in_flight,
+                                         sum(s.input == FEED for s in self.plan.instances))
+
+            def put(items: list) -> bool:
+                nonlocal total
+                entry = items[0] if len(items) == 1 else Many(items)
+                if self.stopping.is_set() or not ray.get(self.hub.put.remote(FEED, [ray.put(entry)])):
+                    return False
+                total += len(items)
+                items.clear()
+                return True
+
             while num_epochs is None or epoch < num_epochs:
                 fed = 0
                 for item in data:
-                    if self.max_in_flight is not None and total >= self.max_in_flight and \
-                            not ray.get(self.hub.wait_done.remote(total - self.max_in_flight + 1)):
-                        return
-                    if self.stopping.is_set() or not ray.get(
-                            self.hub.put.remote(FEED, [ray.put(item)])):
-                        return
+                    if admitted is not None and total + len(chunk) >= admitted:
+                        if chunk and not put(chunk):
+                            return
+                        done = ray.get(self.hub.wait_done.remote(total - self.max_in_flight + 1))
+                        if done is None:
+                            return
+                        admitted = done + self.max_in_flight
+                    chunk.append(item)
                     fed += 1
-                    total += 1
+                    if len(chunk) >= per_entry and not put(chunk):
+                        return
+                if chunk and not put(chunk):
+                    return
                 epoch += 1
                 if one_shot or not fed:
                     break

@@ -16,6 +16,9 @@ class ControllerStats:
     """Items taken from the input stream (or from the launch's data)."""
     items_out: int = 0
     """Results put into the output stream."""
+    puts: int = 0
+    """Entries put into the output stream: fewer than ``items_out`` where several items
+    went in as one (`mcore_rl.flow.Many`)."""
     calls: int = 0
     """Function calls (a call receives ``batch_items`` items merged)."""
     busy_s: float = 0.0
@@ -29,7 +32,7 @@ class ControllerStats:
     wall_s: float = 0.0
     """Seconds from the first input request to the end (a role: the longest instance)."""
 
-    _SUMMED = ("instances", "items_in", "items_out", "calls", "busy_s", "blocked_in_s",
+    _SUMMED = ("instances", "items_in", "items_out", "puts", "calls", "busy_s", "blocked_in_s",
                "blocked_out_s", "turn_wait_s")
 
     @staticmethod

@@ -308,3 +308,24 @@ class Reorder:
                 yield {"x": held.pop(1)}
         while held:
             yield {"x": held.pop()}
+
+
+class Chunked:
+    """A streaming function that hands its inputs on ``size`` at a time as one entry
+    (`mcore_rl.flow.Many`), the rest at the end: item x -> {"x": x}."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, items):
+        from mcore_rl.flow import Many
+
+        chunk = []
+        for x in items:
+            chunk.append({"x": x})
+            if len(chunk) == self.size:
+                yield Many(chunk)
+                chunk = []
+        if chunk:
+            yield Many(chunk)
+
