@@ -7,7 +7,8 @@ they arrive, each group handed on the moment all its samples are done.
 It is a streaming controller function (`mcore_rl.flow.Controller.streaming`): called once
 with the iterator of prompt groups (``{"step", "index", "prompt"}``; the launch paces them
 to at most ``train.max_staleness`` steps ahead of the trainer), it yields one rollout
-`Batch` per group. A reader thread takes groups from the stream while the main loop steps
+`Batch` per group (the groups one engine step ended, as one stream entry:
+`mcore_rl.flow.Many`). A reader thread takes groups from the stream while the main loop steps
 the engine, so a group submitted now joins the engine's running batch at its next step
 (continuous batching, on an engine that has it: `RolloutEngine.continuous`).
 
@@ -34,6 +35,7 @@ from typing import Iterator
 
 from mcore_rl.data.batch import Batch
 from mcore_rl.engines.base import Request, RolloutSample
+from mcore_rl.flow.entries import Many
 
 IDLE_WAIT_S = 0.02
 """How long the loop waits for a new group when the engine has nothing to do."""
@@ -108,7 +110,8 @@ class ContinuousGenerate:
                 self._step()
             with self.lock:
                 done, self.ready = self.ready, []
-            yield from done
+            if done:  # the groups one engine step ended: one stream entry
+                yield done[0] if len(done) == 1 else Many(done)
         reader.join(timeout=1.0)
 
     def close(self) -> None:

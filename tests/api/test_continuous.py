@@ -55,6 +55,7 @@ def _rollout(parts, monkeypatch, mode: str, samples: int = 1, switches=(SWITCH_A
     response ids and versions. Greedy for one sample, sampled (temperature 1) for more."""
     from mcore_rl.api.continuous import ContinuousGenerate
     from mcore_rl.api.rl_graph import group_items
+    from mcore_rl.flow.entries import unpack
 
     engine = parts.engine
     engine.load_weights_from_dir(str(parts.model_dir), version=0)  # and an empty prefix cache
@@ -78,7 +79,9 @@ def _rollout(parts, monkeypatch, mode: str, samples: int = 1, switches=(SWITCH_A
                                                     tokenizer=parts.tokenizer))
     groups, every = [], []
     counts = {"partial_continued": 0.0, "partial_restarted": 0.0}
-    for batch in role(itertools.islice(group_items(cfg, 0, 0), 4)):
+    batches = [b for entry in role(itertools.islice(group_items(cfg, 0, 0), 4))
+               for b in unpack(entry)]
+    for batch in batches:
         for row in range(len(batch)):
             mask = batch["response_mask"][row].bool()
             every.append((batch["input_ids"][row][mask].tolist(),
