@@ -33,4 +33,5 @@ from mcore_rl.flow.stats import ControllerStats, FlowStats
 from mcore_rl.flow.strategies import STRATEGIES
 
 __all__ = ["DataStream", "Controller", "ControllerGroup", "Factory", "factory", "launch", "Many",
-           "FlowError", "FlowStats", "ControllerStats", "STRATEGIES", "Megatron", "rank_context", "publish", "lookup", "finish_launch", "Remote"]
+           "FlowError", "FlowStats", "ControllerStats", "STRATEGIES", "Megatron", "rank_context",
+           "publish", "lookup", "finish_launch", "Remote"]

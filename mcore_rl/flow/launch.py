@@ -155,7 +155,8 @@ class _Launch:
             def put(items: list) -> bool:
                 nonlocal total
                 entry = items[0] if len(items) == 1 else Many(items)
-                if self.stopping.is_set() or not ray.get(self.hub.put.remote(FEED, [ray.put(entry)])):
+                if self.stopping.is_set() or \
+                        not ray.get(self.hub.put.remote(FEED, [ray.put(entry)])):
                     return False
                 total += len(items)
                 items.clear()
