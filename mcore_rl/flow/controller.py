@@ -115,7 +115,7 @@ class ControllerProcess:
             result = self._call(item, hub, stats)
             if spec.reports_done:
                 ray.get(hub.sink_done.remote(count))
-            if result is not None:
+            if result is not None and spec.output is not None:
                 together += unpack(result)
             if entry_done and together:
                 yield together[0] if len(together) == 1 else Many(together)
@@ -151,14 +151,15 @@ class ControllerProcess:
         os.killpg(os.getpid(), signal.SIGKILL)
 
     def _inputs(self, hub: Any, stats: ControllerStats) -> Iterator[tuple[int, Any, bool]]:
-        """(how many stream items, the call's input, whether it holds the last item of the
-        entries taken so far) until the input stream ends. An entry of several items
-        (`Many`) is taken apart: its items may go to different calls."""
+        """(how many stream items, the call's input, whether the next call must wait for
+        the stream: the results so far should go on) until the input stream ends. An entry
+        of several items (`Many`) is taken apart: its items may go to different calls; a
+        call on items taken earlier first makes sure the launch has not been cancelled."""
         ray = ray_shim.require()
         k = self.spec.batch_items
         group: list = []
         taken: list = []  # items of the entries taken, not yet in a call's input
-        state = OPEN
+        state, fetched = OPEN, False
         while True:
             if not taken:
                 if state != OPEN:
@@ -169,13 +170,16 @@ class ControllerProcess:
                 stats.blocked_in_s += time.perf_counter() - t
                 taken = [item for value in values for item in unpack(value)]
                 stats.items_in += len(taken)
+                fetched = True
                 if state == CANCELLED:
                     return
             n = min(k - len(group), len(taken))
             group, taken = group + taken[:n], taken[n:]
             if len(group) == k:
-                yield k, merge_items(group, k), not taken
-                group = []
+                if not fetched and ray.get(hub.cancelled.remote(self.spec.input)):
+                    return
+                yield k, merge_items(group, k), len(taken) < k
+                group, fetched = [], False
         if group and state == ENDED:
             yield len(group), merge_items(group, k), True
 

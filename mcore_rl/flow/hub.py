@@ -114,6 +114,11 @@ class Hub:
     async def get(self, stream: str, max_items: int) -> tuple[list, str]:
         return await self.streams[stream].get(max_items)
 
+    async def cancelled(self, stream: str) -> bool:
+        """Whether the launch has cancelled ``stream`` (a consumer asks before it calls on
+        items it took earlier)."""
+        return self.streams[stream].cancelled
+
     async def close(self, stream: str) -> None:
         await self.streams[stream].close()
 

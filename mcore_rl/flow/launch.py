@@ -144,7 +144,9 @@ class _Launch:
     def _feed(self, data: Iterable[Any], num_epochs: int | None) -> None:
         """Put ``data`` into the sources' stream, at most ``max_in_flight`` items ahead of
         the sinks. Items admitted at the same moment go in together, up to
-        `feed_entry_items` per entry (`Many`: one put, one call for all of them)."""
+        `feed_entry_items` per entry (`Many`: one put, one call for all of them); an
+        admitted item waits for the next ones of its entry, so ``data`` should give them
+        without waiting (a list, a generator over records in memory)."""
         ray = self.ray
         try:
             epoch, one_shot, total, chunk = 0, iter(data) is data, 0, []

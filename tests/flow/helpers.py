@@ -329,3 +329,36 @@ class Chunked:
         if chunk:
             yield Many(chunk)
 
+
+
+class AfterSink:
+    """A streaming function: its first three inputs as one entry, then (once ``sink_log``
+    exists: the sink has had something) the rest as one entry; fails after 20 s without."""
+
+    def __init__(self, sink_log: str):
+        self.sink_log = sink_log
+
+    def __call__(self, items):
+        from mcore_rl.flow import Many
+
+        items = iter(items)
+        yield Many([{"x": next(items)} for _ in range(3)])
+        deadline = time.monotonic() + 20.0
+        while not os.path.exists(self.sink_log):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the relay held back its results: the sink got nothing")
+            time.sleep(0.02)
+        yield Many([{"x": x} for x in items])
+
+
+class FinishAtFirstCall:
+    """A sink that logs each call and ends the launch at its first (`finish_launch`)."""
+
+    def __init__(self, log: str):
+        self.log = log
+
+    def __call__(self, items):
+        from mcore_rl.flow import finish_launch
+
+        write(self.log, event="call", x=[i["x"] for i in items])
+        finish_launch()

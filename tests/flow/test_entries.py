@@ -51,3 +51,36 @@ def test_the_feed_puts_the_items_it_admits_at_once_together_and_pacing_counts_it
     assert [len(c["item"]) for c in records if c["event"] == "consume"] == [4] * 4
     for item in range(8, 16):  # item i waits for the sink call that finished item i - 8
         assert produced[item] >= calls[(item - 8) // 4] + 0.1
+
+
+def test_a_relay_hands_on_its_results_before_it_waits_for_more_input(ray_cluster, tmp_path):
+    """An entry of 3 items into calls of 2: the result of the first call goes on before the
+    relay waits for the item its second call lacks (here, the source sends more only once
+    the sink has had something)."""
+    sink_log = str(tmp_path / "sink.jsonl")
+    produced, relayed = DataStream("produced", 2), DataStream("relayed", 2)
+    group = ControllerGroup([
+        Controller("engine", factory(helpers.AfterSink, sink_log), data_output=produced,
+                   streaming=True),
+        Controller("relay", factory(helpers.Consume, str(tmp_path / "relay.jsonl"), relay=True),
+                   data_input=produced, data_output=relayed, batch_items=2),
+        Controller("sink", factory(helpers.Consume, sink_log), data_input=relayed)])
+    stats = launch(group, data=list(range(6)))
+    sink_calls = [[i["x"] for i in r["item"]] for r in helpers.read(sink_log)]
+    assert sink_calls == [[0, 1], [2, 3], [4, 5]]
+    assert stats.roles["relay"].items_out == 3
+
+
+def test_items_taken_earlier_are_not_called_on_once_the_launch_is_finished(ray_cluster,
+                                                                          tmp_path):
+    """A sink of calls of 2 that takes one entry of 6 items and ends the launch at its first
+    call: no call on the 4 items it still holds."""
+    log = str(tmp_path / "log.jsonl")
+    out = DataStream("out", 2)
+    group = ControllerGroup([
+        Controller("engine", factory(helpers.Chunked, 6), data_output=out, streaming=True),
+        Controller("sink", factory(helpers.FinishAtFirstCall, log), data_input=out,
+                   batch_items=2)])
+    stats = launch(group, data=list(range(6)))
+    assert [r["x"] for r in helpers.read(log)] == [[0, 1]]
+    assert stats.roles["sink"].calls == 1
