@@ -8,8 +8,8 @@ It is a streaming controller function (`mcore_rl.flow.Controller.streaming`): ca
 with the iterator of prompt groups (``{"step", "index", "prompt"}``; the launch paces them
 to at most ``train.max_staleness`` steps ahead of the trainer), it yields one rollout
 `Batch` per group (the groups one engine step ended, as one stream entry:
-`mcore_rl.flow.Many`). A reader thread takes groups from the stream while the main loop steps
-the engine, so a group submitted now joins the engine's running batch at its next step
+`mcore_rl.flow.Many`). A reader thread takes groups from the stream while the main loop
+steps the engine, so a group submitted now joins the engine's running batch at its next step
 (continuous batching, on an engine that has it: `RolloutEngine.continuous`).
 
 The trainer's weight sync reaches the engine through the object this role publishes; it
@@ -35,7 +35,7 @@ from typing import Iterator
 
 from mcore_rl.data.batch import Batch
 from mcore_rl.engines.base import Request, RolloutSample
-from mcore_rl.flow.entries import Many
+from mcore_rl.flow.entries import pack
 
 IDLE_WAIT_S = 0.02
 """How long the loop waits for a new group when the engine has nothing to do."""
@@ -111,7 +111,7 @@ class ContinuousGenerate:
             with self.lock:
                 done, self.ready = self.ready, []
             if done:  # the groups one engine step ended: one stream entry
-                yield done[0] if len(done) == 1 else Many(done)
+                yield pack(done)
         reader.join(timeout=1.0)
 
     def close(self) -> None:

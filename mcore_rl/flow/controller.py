@@ -14,7 +14,7 @@ import time
 from typing import Any, Iterator
 
 from mcore_rl.flow import ray_shim, services
-from mcore_rl.flow.entries import Many, unpack
+from mcore_rl.flow.entries import pack, unpack
 from mcore_rl.flow.hub import CANCELLED, ENDED, OPEN
 from mcore_rl.flow.plan import InstanceSpec
 from mcore_rl.flow.stats import ControllerStats
@@ -79,10 +79,11 @@ class ControllerProcess:
         start = time.perf_counter()
         results = self._streamed(hub, stats) if spec.streaming else self._called(hub, stats)
         for result in results:
-            if result is None or spec.output is None or not unpack(result):
+            items = len(unpack(result)) if result is not None else 0
+            if not items or spec.output is None:
                 continue
             put = hub.put.remote(spec.output, [ray.put(result)])
-            if not self._acknowledged(put, len(unpack(result)), stats):
+            if not self._acknowledged(put, items, stats):
                 break
         if spec.output is not None:
             ray.get(hub.close.remote(spec.output))
@@ -118,10 +119,10 @@ class ControllerProcess:
             if result is not None and spec.output is not None:
                 together += unpack(result)
             if entry_done and together:
-                yield together[0] if len(together) == 1 else Many(together)
+                yield pack(together)
                 together = []
         if together:  # the launch stopped within an entry
-            yield Many(together)
+            yield pack(together)
 
     def _streamed(self, hub: Any, stats: ControllerStats) -> Iterator[Any]:
         """The streaming function, given the input iterator; what it yields."""

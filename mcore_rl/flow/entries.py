@@ -21,8 +21,10 @@ class Many:
     def __init__(self, items: Iterable[Any]):
         self.items = list(items)
 
-    def __len__(self) -> int:
-        return len(self.items)
+
+def pack(items: list) -> Any:
+    """One stream entry for ``items`` (at least one): a single item as itself."""
+    return items[0] if len(items) == 1 else Many(items)
 
 
 def unpack(entry: Any) -> list:

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 from mcore_rl.errors import UsageError
 from mcore_rl.flow import ray_shim
 from mcore_rl.flow.controller import ControllerProcess, kill_process_group
-from mcore_rl.flow.entries import Many
+from mcore_rl.flow.entries import pack
 from mcore_rl.flow.graph import ControllerGroup
 from mcore_rl.flow.hub import Hub
 from mcore_rl.flow.plan import FEED, InstanceSpec, Plan, build_plan
@@ -156,9 +156,8 @@ class _Launch:
 
             def put(items: list) -> bool:
                 nonlocal total
-                entry = items[0] if len(items) == 1 else Many(items)
                 if self.stopping.is_set() or \
-                        not ray.get(self.hub.put.remote(FEED, [ray.put(entry)])):
+                        not ray.get(self.hub.put.remote(FEED, [ray.put(pack(items))])):
                     return False
                 total += len(items)
                 items.clear()
