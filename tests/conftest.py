@@ -1,8 +1,8 @@
-"""Suite-wide rules: one CPU code path on every x86 machine; `gpu` tests skip without CUDA;
-any other skip fails the run."""
+"""Suite-wide rules: one CPU code path on every x86 machine; `gpu` tests skip without CUDA,
+`golden` tests on a kind of CPU with no golden values recorded; any other skip fails the run."""
 from __future__ import annotations
 
-from tests.cpu_kernels import pin_cpu_kernels
+from tests.cpu_kernels import cpu_kind, pin_cpu_kernels
 
 pin_cpu_kernels()  # before torch: see tests/cpu_kernels.py
 
@@ -12,27 +12,38 @@ import torch  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+    config.addinivalue_line("markers", "golden: replays golden values recorded on this kind of "
+                            "CPU (tests/rl/golden/<kind>/); skipped on a kind with none")
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    from tests.rl.golden.runs import HERE
+
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device")
+    if not (HERE / cpu_kind()).is_dir():
+        skips["golden"] = pytest.mark.skip(
+            reason=f"no golden values for CPU kind {cpu_kind()}: record them on such a machine "
+                   "with `PYTHONPATH=. python -m tests.rl.golden.runs`")
     for item in items:
-        if item.get_closest_marker("gpu"):
-            item.add_marker(skip_gpu)
+        for marker, skip in skips.items():
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A skip is allowed only for `gpu` tests: elsewhere it would hide a broken dependency."""
+    """A skip is allowed only for `gpu` and `golden` tests: elsewhere it would hide a broken
+    dependency."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and not item.get_closest_marker("gpu") and not hasattr(report, "wasxfail"):
+    allowed = item.get_closest_marker("gpu") or item.get_closest_marker("golden")
+    if report.skipped and not allowed and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} was skipped ({reason}); only tests marked `gpu` may "
-                           "skip. Install what it needs (bash scripts/install.sh) or fix the test.")
+        report.longrepr = (f"{item.nodeid} was skipped ({reason}); only tests marked `gpu` or "
+                           "`golden` may skip. Install what it needs (bash scripts/install.sh) or fix the test.")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,21 +10,22 @@ import pytest
 
 from mcore_rl.api.rl_graph import run_rl_graph
 from mcore_rl.config import load_config, validate_config
-from tests.rl.golden.runs import BASE, HERE, REPO, RUNS, comparable
-from tests.rl.test_golden_runs import _mismatches
+from tests.rl.golden.runs import BASE, REPO, RUNS, comparable
+from tests.rl.test_golden_runs import _mismatches, golden
 
 
 # TP2 GRPO, PPO with a critic and two epochs over two mini-batches: between them every
 # phase of the loop that the graph moves between controllers.
+@pytest.mark.golden
 @pytest.mark.parametrize("name", ["grpo_tp2", "ppo_tp1"])
 def test_the_graph_replays_the_golden_run(tmp_path, name):
+    expected = golden(name)
     size, overrides = RUNS[name]
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml",
                                       BASE + overrides + [f"logging.dir={tmp_path}"]), size)
     stats = run_rl_graph(cfg)
     assert [stats.roles[r].calls for r in ("rollout", "reward", "trainer")] == [3, 3, 3]
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    expected = json.loads((HERE / f"{name}.json").read_text())
     problems = _mismatches(expected, comparable(history))
     assert not problems, "\n".join(problems[:20])
     # one step at a time: the rollout of step k+1 was generated with the weights of step k
@@ -46,10 +47,12 @@ def test_one_step_off_trains_each_step_on_the_rollout_of_the_weights_before(tmp_
     assert any(h["rollout/staleness_max"] == 1 for h in steps[1:]), steps
 
 
+@pytest.mark.golden
 def test_the_async_schedule_at_staleness_0_replays_the_golden_run(tmp_path):
     """train.schedule=async with max_staleness 0 admits one step's prompt groups at a time:
     the synchronous schedule, step for step, whatever order the groups finish in."""
     name = "ppo_tp1"
+    expected = golden(name)
     size, overrides = RUNS[name]
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", BASE + overrides + [
         f"logging.dir={tmp_path}", "train.schedule=async", "train.max_staleness=0",
@@ -59,7 +62,6 @@ def test_the_async_schedule_at_staleness_0_replays_the_golden_run(tmp_path):
     assert stats.roles["rollout"].items_out == stats.roles["reward"].items_in == prompts
     assert stats.roles["trainer"].calls == cfg.train.steps
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    expected = json.loads((HERE / f"{name}.json").read_text())
     # A step merges its prompt groups' batches, which keep the first batch's reward-function
     # counters (reward/<name>/*): a known limit of async batches; every other metric replays.
     expected = [{k: v for k, v in row.items() if not k.startswith("reward/builtin/")}

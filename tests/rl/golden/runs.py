@@ -2,16 +2,18 @@
 
 Each run is the quick-start task on the in-process ``hf`` engine (deterministic on CPU),
 a short warm start and three RL steps. ``python -m tests.rl.golden.runs [NAME ...]``
-records the metrics into ``tests/rl/golden/<name>.json`` (on the CPU code path that
-``tests/cpu_kernels.py`` pins for the suite); ``tests/rl/test_golden_runs.py``
-replays each run and compares every metric but timings to round-off.
+records the metrics into ``tests/rl/golden/<cpu kind>/<name>.json`` (on the CPU code path
+that ``tests/cpu_kernels.py`` pins for the suite); ``tests/rl/test_golden_runs.py``
+replays each run and compares every metric but timings to round-off, against the values
+of the CPU kind it runs on.
 
 First recorded before the architecture rework (weight sync as transports, typed run
 state), which replayed them; ``grpo_kl_in_reward_adaptive_tp1`` was recorded again after a
 fix (the adaptive KL controller had read ``actor/kl_loss``, which does not exist when the KL
-is a reward penalty). Those files came from a machine whose CPU kernels differ from an
-AVX2 machine's, where they did not replay; all six were recorded again, by code that had
-replayed the earlier files in CI, once the suite pinned one code path for every x86 machine.
+is a reward penalty), and all six again when core attention moved to PyTorch's fused
+attention (sampling parts from round-off). ``x86-avx2`` holds the values of an AVX2-only
+machine, which CI replayed; ``x86-avx512-amx`` those of a machine with AVX-512 and AMX,
+recorded by the same code, where the AVX2 values do not replay (see tests/cpu_kernels.py).
 """
 from __future__ import annotations
 
@@ -38,6 +40,13 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "grpo_kl_in_reward_adaptive_tp1": (1, KL + ["algorithm.kl_in_reward=true"]),
 }
 TIMING_PREFIXES = ("time/", "sync/seconds", "sync/transfer_s", "sync/apply_s", "perf/tokens_per_s")
+
+
+def golden_file(name: str) -> Path:
+    """Where the golden values of run ``name`` are kept for this machine's kind of CPU."""
+    from tests.cpu_kernels import cpu_kind
+
+    return HERE / cpu_kind() / f"{name}.json"
 
 
 def run_golden(rank, world_size, overrides):
@@ -78,8 +87,12 @@ def main(names: list[str]) -> None:
         for name in names or list(RUNS):
             with tempfile.TemporaryDirectory() as tmp:
                 history = play(name, tmp)
-            (HERE / f"{name}.json").write_text(json.dumps(history, indent=1) + "\n")
-            print(f"recorded {name}: {len(history)} rows", flush=True)
+            path = golden_file(name)
+            path.parent.mkdir(exist_ok=True)
+            tmp_path = path.with_suffix(".json.tmp")
+            tmp_path.write_text(json.dumps(history, indent=1) + "\n")
+            tmp_path.replace(path)
+            print(f"recorded {name} into {path.relative_to(REPO)}: {len(history)} rows", flush=True)
     finally:
         close_shared_worlds()
 
