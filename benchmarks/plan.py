@@ -68,7 +68,8 @@ def predictions(report: dict) -> dict:
     steps = [step for run in report["calibration"]["trainer"] for step in run["steps"]]
     trainer = trainer_costs(steps, s["prompts_per_step"])
     by_cap = {cap: calibrated_costs(report["calibration"]["engine"], trainer, cap,
-                                    s["prompts_per_step"], s["group_size"])
+                                    s["prompts_per_step"], s["group_size"],
+                                    micro_batch_tokens=s.get("micro_batch_tokens", 0))
               for cap in sorted({run["cap"] for run in report["runs"]})}
     report["costs"], records = {str(cap): c.to_dict() for cap, c in by_cap.items()}, {}
     for run in report["runs"]:
@@ -154,6 +155,7 @@ def calibrate_and_run(size_name: str, caps: list[int], cal_lengths: list[int],
     return {"benchmark": "plan", "machine": machine_info(), "size": size_name,
             "settings": {"prompts_per_step": base.data.prompts_per_step,
                          "group_size": base.rollout.n_samples_per_prompt,
+                         "micro_batch_tokens": base.optimizer.micro_batch_tokens,
                          "placement": base.rollout.placement, "steps": steps, "warmup": warmup,
                          "threads": threads, "dtype": dtype, "caps": caps,
                          "calibration_lengths": cal_lengths},

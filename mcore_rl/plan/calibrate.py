@@ -75,10 +75,12 @@ def trainer_costs(steps: Sequence[dict], prompts_per_step: int) -> TrainerCosts:
 
 
 def calibrated_costs(engine: dict, trainer: TrainerCosts, cap: int, prompts_per_step: int,
-                     n_samples: int, max_seqs: int = 256) -> CostModel:
+                     n_samples: int, max_seqs: int = 256, micro_batch_tokens: int = 0) -> CostModel:
     """The `CostModel` of a run whose responses end at end-of-sequence, up to ``cap`` tokens:
     the engine microbenchmark's output (``decode``, ``static.lengths``,
-    ``prompt_tokens_mean``; its lengths measured up to a cap >= ``cap``) and the trainer's."""
+    ``prompt_tokens_mean``; its lengths measured up to a cap >= ``cap``) and the trainer's.
+    ``micro_batch_tokens``: the runs' micro-batch budget, so that the update is charged for
+    the padding natural lengths bring (the fixed-length calibration has none to speak of)."""
     decode = engine["decode"]
     lengths = tuple(min(cap, max(1, length)) for length in engine["static"]["lengths"])
     return CostModel(
@@ -90,7 +92,8 @@ def calibrated_costs(engine: dict, trainer: TrainerCosts, cap: int, prompts_per_
         step_overhead_s=trainer.step_overhead_s,
         response_lengths=LengthDistribution("empirical", cap, lengths=lengths),
         prompt_tokens=round(engine["prompt_tokens_mean"]), n_samples=n_samples,
-        prompts_per_step=prompts_per_step, max_seqs_per_replica=max(max_seqs, n_samples))
+        prompts_per_step=prompts_per_step, max_seqs_per_replica=max(max_seqs, n_samples),
+        micro_batch_tokens=micro_batch_tokens)
 
 
 def predicted_tokens_per_s(costs: CostModel, schedule: str, k: int, steps: int, warmup: int,

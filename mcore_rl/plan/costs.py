@@ -99,7 +99,8 @@ class CostModel:
     """Prompt tokens per second one replica prefills (also the cost of a partial response's
     re-prefill after a weight sync)."""
     update_tokens_per_s: float = 0.0
-    """Tokens (prompt + response of every trained sample) per second of one trainer update."""
+    """Tokens (prompt + response of every trained sample; padded ones too when
+    ``micro_batch_tokens`` is set) per second of one trainer update."""
     sync_s: float = 0.0
     """One weight sync: every engine pauses this long to take the new weights."""
     update_overhead_s: float = 0.0
@@ -116,6 +117,10 @@ class CostModel:
     """Samples per prompt (the group size)."""
     prompts_per_step: int = 8
     """P: prompt groups per trainer step."""
+    micro_batch_tokens: int = 0
+    """The trainer's micro-batch budget (``optimizer.micro_batch_tokens``): the update is
+    charged for the padded tokens it computes, its samples packed as the trainer packs them
+    (`padded_tokens`). 0: for the real tokens only."""
     max_seqs_per_replica: int = 256
     """Sequences one replica runs at once (its batch capacity)."""
     trainer_devices: int = 1
@@ -137,9 +142,16 @@ class CostModel:
         for name in ("sync_s", "update_overhead_s", "step_overhead_s", "reward_s_per_group"):
             _check_number(name, getattr(self, name), low=0.0)
         _check_int("prompt_tokens", self.prompt_tokens, low=0)
+        _check_int("micro_batch_tokens", self.micro_batch_tokens, low=0)
         for name in ("n_samples", "prompts_per_step", "trainer_devices", "devices_per_replica"):
             _check_int(name, getattr(self, name), low=1)
         _check_int("max_seqs_per_replica", self.max_seqs_per_replica, low=self.n_samples)
+
+    def update_tokens(self, seq_lens: Sequence[int]) -> int:
+        """The tokens an update over sequences of these lengths is charged for."""
+        if not self.micro_batch_tokens:
+            return sum(seq_lens)
+        return padded_tokens(seq_lens, self.micro_batch_tokens)
 
     def decode_step_s(self, occupancy: int) -> float:
         """Seconds of one engine step (one token for each of ``occupancy`` sequences)."""
@@ -205,3 +217,17 @@ def costs_with(costs: CostModel, **changes) -> CostModel:
 
 def as_floats(values: Sequence) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
+
+
+def padded_tokens(seq_lens: Sequence[int], budget: int) -> int:
+    """Tokens the trainer computes for sequences of these lengths: packed by length into
+    micro-batches of at most ``budget`` padded tokens (sequences x longest; a longer sequence
+    alone), each padded to its longest, as `mcore_rl.train.micro_batches` packs them. Equal
+    lengths waste nothing; a long tail pads its short sequences up to their neighbours."""
+    total = rows = longest = 0
+    for n in sorted(seq_lens):
+        if rows and n * (rows + 1) > budget:
+            total += rows * longest
+            rows = 0
+        rows, longest = rows + 1, n
+    return total + rows * longest

@@ -284,7 +284,8 @@ class Simulation:
     def _update(self, t: float) -> None:
         self.timeline.turn_began(t)
         step, extra = self.timeline.steps_done, self.delays.update_extra_s
-        update_s = (sum(g.tokens for g in self.batch) / self.costs.update_tokens_per_s
+        tokens = self.costs.update_tokens([g.prompt_tokens + n for g in self.batch for n in g.lengths])
+        update_s = (tokens / self.costs.update_tokens_per_s
                     + self.costs.update_overhead_s + (extra[(step - 1) % len(extra)] if extra else 0.0))
         self.at(t + update_s, self._updated)
 
