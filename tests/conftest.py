@@ -2,7 +2,7 @@
 `golden` tests on a kind of CPU with no golden values recorded; any other skip fails the run."""
 from __future__ import annotations
 
-from tests.cpu_kernels import cpu_kind, pin_cpu_kernels
+from tests.cpu_kernels import pin_cpu_kernels
 
 pin_cpu_kernels()  # before torch: see tests/cpu_kernels.py
 
@@ -17,14 +17,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    from tests.rl.golden.runs import HERE
+    from tests.rl.golden.runs import golden_dir
 
     skips = {}
     if not torch.cuda.is_available():
         skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device")
-    if not (HERE / cpu_kind()).is_dir():
+    golden = golden_dir()
+    if not golden.is_dir():
         skips["golden"] = pytest.mark.skip(
-            reason=f"no golden values for CPU kind {cpu_kind()}: record them on such a machine "
+            reason=f"no golden values for CPU kind {golden.name}: record them on such a machine "
                    "with `PYTHONPATH=. python -m tests.rl.golden.runs`")
     for item in items:
         for marker, skip in skips.items():

@@ -24,6 +24,8 @@ import platform
 import sys
 from pathlib import Path
 
+X86 = ("x86_64", "amd64")
+"""What ``platform.machine()`` says (lower-cased) on an x86 machine."""
 PINNED = {"MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
@@ -43,7 +45,7 @@ def cpu_kind() -> str:
 def kind_of(machine: str, flags: set[str]) -> str:
     """A kind of CPU by the vector instructions its kernels can use: ``x86-avx2``,
     ``x86-avx512``, ``x86-avx512-amx`` (``x86`` below AVX2), or the machine name off x86."""
-    if machine.lower() not in ("x86_64", "amd64"):
+    if machine.lower() not in X86:
         return machine.lower()
     if "avx512f" not in flags:
         return "x86-avx2" if "avx2" in flags else "x86"
@@ -51,7 +53,7 @@ def kind_of(machine: str, flags: set[str]) -> str:
 
 
 def pin_cpu_kernels() -> None:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if platform.machine().lower() not in X86:
         return
     if "torch" in sys.modules:
         raise RuntimeError("pin_cpu_kernels() must run before torch is imported")

@@ -42,11 +42,16 @@ RUNS: dict[str, tuple[int, list[str]]] = {
 TIMING_PREFIXES = ("time/", "sync/seconds", "sync/transfer_s", "sync/apply_s", "perf/tokens_per_s")
 
 
-def golden_file(name: str) -> Path:
-    """Where the golden values of run ``name`` are kept for this machine's kind of CPU."""
+def golden_dir() -> Path:
+    """Where the golden values are kept for this machine's kind of CPU."""
     from tests.cpu_kernels import cpu_kind
 
-    return HERE / cpu_kind() / f"{name}.json"
+    return HERE / cpu_kind()
+
+
+def golden_file(name: str) -> Path:
+    """Where the golden values of run ``name`` are kept for this machine's kind of CPU."""
+    return golden_dir() / f"{name}.json"
 
 
 def run_golden(rank, world_size, overrides):
