@@ -34,8 +34,9 @@ def _config(cfg_data: dict) -> RLConfig:
     return _build(RLConfig, cfg_data, "")
 
 
-ASLEEP_POLL_S = 0.02
-"""How often a rollout role looks whether the trainer has woken its (colocated) engine."""
+ASLEEP_CHECK_S = 1.0
+"""How long a rollout role waits at most for its (colocated) engine to wake before it looks
+again (the wake itself ends the wait at once)."""
 
 
 class Generate:
@@ -77,7 +78,8 @@ class Generate:
                     batch = phases.sample_batch(self.engine, self.tokenizer, self.cfg, encoded,
                                                 step=step)
                     break
-            time.sleep(ASLEEP_POLL_S)  # colocated: the trainer has the devices until it wakes it
+            # colocated: the trainer has the devices until its weight sync wakes the engine
+            self.engine.wait_awake(ASLEEP_CHECK_S)
         batch.meta["producer"] = [os.getpid()] * len(batch)
         batch.info["prompts"] = len(records)
         batch.info["time/generate"] = time.perf_counter() - t

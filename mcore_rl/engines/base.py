@@ -13,6 +13,7 @@ versions: it says so (`weight_version` is None, ``generate`` raises) until a syn
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -164,6 +165,9 @@ class RolloutEngine(ABC):
         self._torn: str | None = None
         self._asleep: set[str] = set()
         """What `sleep` released and no wake has restored yet: "weights", "kv_cache"."""
+        self._awake = threading.Event()
+        """Set while nothing is asleep: what `wait_awake` waits on."""
+        self._awake.set()
         self.before_sleep: Callable[[], None] | None = None
         """Called at the start of `sleep` (in the engine's process): e.g. a role that streams
         requests through `submit`/`step` stops them there, so that nothing runs on a KV
@@ -293,6 +297,7 @@ class RolloutEngine(ABC):
         if self.supports_sleep:
             self._release_memory()
         self._asleep = {"weights", "kv_cache"}
+        self._awake.clear()
 
     def wake_weights(self) -> None:
         """Bring the weights back (before a weight sync writes into them)."""
@@ -305,6 +310,8 @@ class RolloutEngine(ABC):
         if "kv_cache" in self._asleep and self.supports_sleep:
             self._restore_memory("kv_cache")
         self._asleep.discard("kv_cache")
+        if not self._asleep:
+            self._awake.set()
 
     def wake(self) -> None:
         """Both: weights, then KV cache."""
@@ -314,6 +321,11 @@ class RolloutEngine(ABC):
     @property
     def asleep(self) -> bool:
         return bool(self._asleep)
+
+    def wait_awake(self, timeout: float | None = None) -> bool:
+        """Wait until the engine is awake (another thread of this process wakes it, e.g. a
+        weight sync through `mcore_rl.flow.publish`); whether it is, within ``timeout``."""
+        return self._awake.wait(timeout)
 
     def _check_awake(self, what: str) -> None:
         """Engines call it before they run the model (generation, a streaming step)."""
