@@ -304,6 +304,8 @@ class RolloutEngine(ABC):
         if "weights" in self._asleep and self.supports_sleep:
             self._restore_memory("weights")
         self._asleep.discard("weights")
+        if not self._asleep:
+            self._awake.set()
 
     def wake_kv_cache(self) -> None:
         """Re-allocate the KV cache (after the sync, before generating)."""

@@ -32,6 +32,11 @@ def test_wait_awake_holds_until_both_parts_are_awake():
     assert engine.asleep and not engine.wait_awake(0.01)
     engine.wake_kv_cache()
     assert not engine.asleep and engine.wait_awake(0)
+    engine.sleep()
+    engine.wake_kv_cache()  # the other order: awake once the weights are too
+    assert not engine.wait_awake(0.01)
+    engine.wake_weights()
+    assert engine.wait_awake(0)
 
 
 def test_a_wake_on_another_thread_ends_the_wait():
