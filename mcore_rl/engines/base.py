@@ -301,17 +301,17 @@ class RolloutEngine(ABC):
 
     def wake_weights(self) -> None:
         """Bring the weights back (before a weight sync writes into them)."""
-        if "weights" in self._asleep and self.supports_sleep:
-            self._restore_memory("weights")
-        self._asleep.discard("weights")
-        if not self._asleep:
-            self._awake.set()
+        self._wake("weights")
 
     def wake_kv_cache(self) -> None:
         """Re-allocate the KV cache (after the sync, before generating)."""
-        if "kv_cache" in self._asleep and self.supports_sleep:
-            self._restore_memory("kv_cache")
-        self._asleep.discard("kv_cache")
+        self._wake("kv_cache")
+
+    def _wake(self, part: str) -> None:
+        """Restore ``part`` ("weights" or "kv_cache"); once both are, end `wait_awake`."""
+        if part in self._asleep and self.supports_sleep:
+            self._restore_memory(part)
+        self._asleep.discard(part)
         if not self._asleep:
             self._awake.set()
 

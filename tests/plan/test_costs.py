@@ -10,7 +10,7 @@ from mcore_rl.train.micro_batches import pack_micro_batches
 
 
 def test_padded_tokens_by_hand():
-    # by length: [10, 10] (20 of 80), then 30 alone (30 x 3 > 80), then [30, 40] (80)
+    # by length: [10, 10] (20 of 80; 30 x 3 > 80 ends it), then [30, 40] (40 x 2 = 80)
     assert padded_tokens([40, 10, 30, 10], budget=80) == 20 + 80
     assert padded_tokens([40, 10, 30, 10], budget=1000) == 4 * 40  # one micro-batch
     assert padded_tokens([50, 50, 50], budget=100) == 150  # equal lengths: no padding
