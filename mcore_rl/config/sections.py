@@ -95,7 +95,9 @@ class RolloutConfig:
     """Generation of responses by the inference engine."""
 
     engine: str = "vllm"
-    """Registered inference engine (`mcore_rl.engines.ENGINES`): vllm, sglang, hf."""
+    """Registered inference engine (`mcore_rl.engines.ENGINES`): vllm, sglang, hf (transformers,
+    one prompt at a time), hf_batched (transformers, all prompts of a call as one batch: the
+    fastest on CPU for tiny models)."""
     placement: Literal["colocated", "separate"] = "colocated"
     """colocated: engine and trainer time-share the same devices; separate: own devices."""
     engine_tp: int = 1

@@ -50,6 +50,13 @@ def _hf(cfg, model_dir, **kwargs) -> RolloutEngine:
     return HFEngine(model_dir, **_common(cfg), **kwargs)
 
 
+@ENGINES.register("hf_batched")
+def _hf_batched(cfg, model_dir, **kwargs) -> RolloutEngine:
+    from mcore_rl.engines.hf_batched_engine import HFBatchedEngine
+
+    return HFBatchedEngine(model_dir, **_common(cfg), **kwargs)
+
+
 def _common(cfg) -> dict:
     """The `RolloutConfig` fields every engine takes."""
     return {"tp": cfg.engine_tp, "placement": cfg.placement,

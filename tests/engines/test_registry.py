@@ -8,7 +8,7 @@ from mcore_rl.errors import UsageError
 
 
 def test_engines_are_registered_by_name():
-    assert ENGINES.names() == ["hf", "sglang", "vllm"]
+    assert ENGINES.names() == ["hf", "hf_batched", "sglang", "vllm"]
 
 
 @pytest.mark.parametrize("engine, shim, package", [("sglang", sglang_shim, "sglang"),
@@ -36,7 +36,7 @@ def test_the_config_chooses_how_vllm_loads_weights_and_other_engines_are_not_tol
 
 
 def test_an_unknown_engine_name_lists_the_engines():
-    with pytest.raises(UsageError, match=r"unknown rollout engine 'trt' \(registered: hf, sglang, vllm"):
+    with pytest.raises(UsageError, match=r"unknown rollout engine 'trt' \(registered: hf, hf_batched, sglang, vllm"):
         build_rollout_engine(RolloutConfig(engine="trt"), "/nowhere")
 
 
