@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mcore_rl.benchmarks._common import (machine_info, median_of, rounded, run_spec_module,
@@ -59,6 +59,8 @@ class Size:
     overrides: list[str] = field(default_factory=list)
     steps: int = 4
     warmup: int = 1
+    extra: list[str] = field(default_factory=list)
+    """Overrides given with ``--set``: applied after the benchmark's own settings."""
 
 
 SIZES = {
@@ -189,8 +191,8 @@ def bench_size(name: str, size: Size, steps: int | None, warmup: int | None, thr
     config = _config_path(size.config)
     with tempfile.TemporaryDirectory(prefix=f"mcore-rl-bench-train-{name}-") as tmp:
         work = Path(tmp)
-        base = load_config(str(config), size.overrides)
-        overrides = size.overrides + our_overrides(base, steps, work / "ours", threads, dtype)
+        base = load_config(str(config), size.overrides + size.extra)
+        overrides = size.overrides + our_overrides(base, steps, work / "ours", threads, dtype) + size.extra
         cfg = load_config(str(config), overrides)
         _log(f"{name}: mcore-rl train, {steps} steps")
         ours = run_ours(config, overrides, work / "ours")
@@ -241,19 +243,28 @@ def main(argv: list[str] | None = None) -> int:
                              "natural response lengths (e.g. sync,one_step_off,async; see "
                              "benchmarks/train_schedules.py)")
     parser.add_argument("--k", type=int, default=2, help="max staleness K of async (--schedule)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for our side, repeatable, applied after the "
+                             "benchmark's own (e.g. --set rollout.engine=hf_batched); TRL follows "
+                             "the settings it shares (prompts, group size, lengths, optimizer)")
     args = parser.parse_args(argv)
     sizes = ["quickstart"] if args.quick else [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise UsageError(f"unknown size {unknown[0]!r}; choose from {', '.join(SIZES)}")
+    bad = [o for o in args.set if "=" not in o]
+    if bad:
+        raise UsageError(f"--set {bad[0]!r}: write it as KEY=VALUE, e.g. --set rollout.engine=hf_batched")
+    chosen = {name: replace(SIZES[name], extra=args.set) for name in sizes}
     steps, warmup = (4, 2) if args.quick else (args.steps, args.warmup)
     if steps is not None and steps <= (warmup or 0):
         raise UsageError(f"--steps {steps} leaves nothing after --warmup {warmup}")
     if args.schedule is not None:
         if args.quick:
             steps, warmup = 4, 1
-        return _main_schedules(args, sizes, steps, warmup)
-    results = {name: bench_size(name, SIZES[name], steps, warmup, args.threads, args.dtype) for name in sizes}
+        return _main_schedules(args, chosen, steps, warmup)
+    results = {name: bench_size(name, size, steps, warmup, args.threads, args.dtype)
+               for name, size in chosen.items()}
     write_json(args.json, rounded({"benchmark": "train", "machine": machine_info(),
                                    "baseline": "TRL GRPOTrainer (HF generate + HF training)",
                                    "results": results}))
@@ -267,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _main_schedules(args, sizes: list[str], steps: int | None, warmup: int | None) -> int:
+def _main_schedules(args, sizes: dict[str, Size], steps: int | None, warmup: int | None) -> int:
     from mcore_rl.benchmarks.train_schedules import bench_schedules, parse_schedules
 
     schedules = parse_schedules(args.schedule)
@@ -276,8 +287,8 @@ def _main_schedules(args, sizes: list[str], steps: int | None, warmup: int | Non
                          "before the last step; raise --steps")
     if args.k < 1:
         raise UsageError(f"--k {args.k}: async needs a max staleness of at least 1")
-    results = {name: bench_schedules(name, SIZES[name], schedules, args.k, steps, warmup,
-                                     args.threads, args.dtype, _log) for name in sizes}
+    results = {name: bench_schedules(name, size, schedules, args.k, steps, warmup,
+                                     args.threads, args.dtype, _log) for name, size in sizes.items()}
     write_json(args.json, rounded({"benchmark": "train_schedules", "machine": machine_info(),
                                    "baseline": "the sync schedule (and static batching) in the same run",
                                    "results": results}))

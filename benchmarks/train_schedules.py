@@ -128,13 +128,13 @@ def bench_schedules(name: str, size, schedules: list[str], k: int, steps: int | 
     warmup = size.warmup if warmup is None else warmup
     config = _config_path(size.config)
     size_overrides = size.overrides + LENGTHS.get(name, [])
-    base = load_config(str(config), size_overrides)
+    base = load_config(str(config), size_overrides + size.extra)
     runs, overrides = {}, {}
     with tempfile.TemporaryDirectory(prefix=f"mcore-rl-bench-schedules-{name}-") as tmp:
         work = Path(tmp)
         for schedule in schedules:
             overrides[schedule] = size_overrides + our_overrides(
-                base, steps, work / schedule, threads, dtype, fixed_lengths=False) + [
+                base, steps, work / schedule, threads, dtype, fixed_lengths=False) + size.extra + [
                 f"train.schedule={schedule}", f"train.max_staleness={staleness_k(schedule, k)}"]
             log(f"{name}: mcore-rl train, schedule {schedule}, {steps} steps")
             # steady state: the warm-up steps and the last one (nothing is generated for a

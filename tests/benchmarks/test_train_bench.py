@@ -70,3 +70,42 @@ def test_a_bad_schedule_list_is_one_line_with_exit_2(tmp_path, capsys, schedules
     assert main(["bench", "train", "--json", str(tmp_path / "x.json"), "--schedule", schedules]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_set_overrides_reach_our_run_and_the_settings_trl_shares(tmp_path, monkeypatch):
+    from mcore_rl.benchmarks import train
+    from mcore_rl.data.toy_task import toy_tokenizer
+
+    seen = {}
+    step = {"step": 0.2, "generate": 0.1, "score": 0.0, "logprobs": 0.0, "update": 0.1,
+            "values": 0.0, "sync": 0.01, "engine_sleep": 0.0, "tokens": 360, "responses": 40}
+
+    def ours(config, overrides, log_dir):
+        seen["ours"] = overrides
+        (log_dir / "initial_model").mkdir(parents=True)  # TRL starts from our initial model
+        toy_tokenizer().save(log_dir / "initial_model")
+        return [step] * 4
+
+    monkeypatch.setattr(train, "run_ours", ours)
+    monkeypatch.setattr(train, "run_trl", lambda spec, work: seen.setdefault("trl", spec) and [step] * 4)
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--json", str(out), "--quick", "--set", "rollout.engine=hf_batched",
+                 "--set", "data.prompts_per_step=5", "--set", "parallel.cpu_threads_per_rank=1"]) == 0
+    # applied last: over the benchmark's own thread setting
+    assert seen["ours"][-3:] == ["rollout.engine=hf_batched", "data.prompts_per_step=5",
+                                 "parallel.cpu_threads_per_rank=1"]
+    assert sum(o.startswith("parallel.cpu_threads_per_rank=") for o in seen["ours"]) == 2
+    assert seen["trl"]["prompts_per_step"] == 5
+    assert "rollout.engine=hf_batched" in json.loads(out.read_text())["results"]["quickstart"]["overrides"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.engine", "--set 'rollout.engine': write it as KEY=VALUE"),
+    ("rollout.engin=hf", "rollout.engin")])
+def test_a_bad_set_override_is_one_line_with_exit_2_before_any_run(tmp_path, capsys, monkeypatch, override, message):
+    from mcore_rl.benchmarks import train
+
+    monkeypatch.setattr(train, "run_ours", lambda *a: pytest.fail("a run started"))
+    assert main(["bench", "train", "--json", str(tmp_path / "x.json"), "--quick", "--set", override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
