@@ -9,7 +9,7 @@ from mcore_rl.rl.job_check import check_registered_names, named_variants
 
 @pytest.mark.parametrize("override, message", [
     ("rollout.engine=vlm", r"^rollout.engine: unknown rollout engine 'vlm'; did you mean 'vllm'\? "
-                           r"\(registered: hf, sglang, vllm; or give module:attr\)$"),
+                           r"\(registered: hf, hf_batched, sglang, vllm; or give module:attr\)$"),
     ("data.source=jsnl", r"^data.source: unknown prompt source 'jsnl'; did you mean 'jsonl'\?"),
     ("reward.name=exatc", r"^reward.name: unknown reward 'exatc'; did you mean 'exact'\?"),
     ("algorithm.advantage_estimator=grop", r"^algorithm.advantage_estimator: unknown advantage "
