@@ -67,6 +67,7 @@ RANGES: dict[str, Range] = {
     "rollout.top_p": Range(low=0, high=1, low_open=True),
     "rollout.gpu_memory_utilization": Range(low=0, high=1, low_open=True),
     "rollout.engine_timeout_s": POSITIVE,
+    "rollout.batch_rows": COUNT,
     "reshard.bucket_mb": POSITIVE,
     "reshard.writer_threads": COUNT,
     "reshard.verify_every": COUNT,

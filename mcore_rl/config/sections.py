@@ -136,6 +136,9 @@ class RolloutConfig:
     """Longest wait for one call into an engine that runs in processes of its own (a
     generation, one bucket of a weight sync); an engine process that dies ends the wait
     within a second whatever this is."""
+    batch_rows: int = 256
+    """hf_batched only: the most rows (prompts x samples) decoded as one batch; a call with
+    more runs in several batches, which bounds the KV cache's memory."""
     weight_loading: Literal["auto", "layerwise"] = "auto"
     """vLLM only: how a weight sync loads. auto: straight into the live modules where the model
     has mcore-rl's layout and unquantized weights (otherwise as layerwise); layerwise: always

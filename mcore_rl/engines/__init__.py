@@ -54,6 +54,7 @@ def _hf(cfg, model_dir, **kwargs) -> RolloutEngine:
 def _hf_batched(cfg, model_dir, **kwargs) -> RolloutEngine:
     from mcore_rl.engines.hf_batched_engine import HFBatchedEngine
 
+    kwargs.setdefault("max_batch_rows", cfg.batch_rows)
     return HFBatchedEngine(model_dir, **_common(cfg), **kwargs)
 
 

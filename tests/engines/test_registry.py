@@ -23,8 +23,10 @@ def test_choosing_an_engine_that_is_not_installed_says_what_to_install_in_one_li
     assert "\n" not in message and f"pip install {package}" in message.replace("'", "")
 
 
-def test_the_config_chooses_how_vllm_loads_weights_and_other_engines_are_not_told(monkeypatch):
+def test_engine_settings_of_the_config_reach_only_their_engine(monkeypatch):
     seen = {}
+    monkeypatch.setattr("mcore_rl.engines.hf_batched_engine.HFBatchedEngine",
+                        lambda model_dir, **kw: seen.setdefault("hf_batched", kw))
     monkeypatch.setattr("mcore_rl.engines.vllm_engine.VLLMEngine",
                         lambda model_dir, **kw: seen.setdefault("vllm", kw))
     monkeypatch.setattr("mcore_rl.engines.hf_engine.HFEngine",
@@ -33,6 +35,8 @@ def test_the_config_chooses_how_vllm_loads_weights_and_other_engines_are_not_tol
     build_rollout_engine(RolloutConfig(engine="hf", weight_loading="layerwise"), "/m")
     assert seen["vllm"]["weight_loading"] == "layerwise" and "weight_loading" not in seen["hf"]
     assert seen["vllm"]["timeout_s"] == RolloutConfig().engine_timeout_s
+    build_rollout_engine(RolloutConfig(engine="hf_batched", batch_rows=64), "/m")
+    assert seen["hf_batched"]["max_batch_rows"] == 64 and "max_batch_rows" not in seen["hf"]
 
 
 def test_an_unknown_engine_name_lists_the_engines():
