@@ -185,6 +185,7 @@ def compare(ours: list[dict], trl: list[dict], warmup: int) -> dict:
 def bench_size(name: str, size: Size, steps: int | None, warmup: int | None, threads: int,
                dtype: str) -> dict:
     from mcore_rl.config import load_config
+    from mcore_rl.rl.job_check import check_registered_names
 
     steps = steps or size.steps
     warmup = size.warmup if warmup is None else warmup
@@ -192,6 +193,7 @@ def bench_size(name: str, size: Size, steps: int | None, warmup: int | None, thr
     with tempfile.TemporaryDirectory(prefix=f"mcore-rl-bench-train-{name}-") as tmp:
         work = Path(tmp)
         base = load_config(str(config), size.overrides + size.extra)
+        check_registered_names(base)
         overrides = size.overrides + our_overrides(base, steps, work / "ours", threads, dtype) + size.extra
         cfg = load_config(str(config), overrides)
         _log(f"{name}: mcore-rl train, {steps} steps")
@@ -212,7 +214,7 @@ def bench_size(name: str, size: Size, steps: int | None, warmup: int | None, thr
                            "kl_coef": cfg.algorithm.kl_coef,
                            "loss_aggregation": cfg.algorithm.loss_aggregation,
                            "micro_batch_tokens": cfg.optimizer.micro_batch_tokens,
-                           "threads": threads, "warmup_steps": warmup, "dtype": dtype},
+                           "threads": threads, "warmup_steps": warmup, "dtype": cfg.model.dtype},
               **compare(ours, trl, warmup),
               "per_step": {"ours": ours, "baseline": trl}}
     if name in TARGET_SPEEDUP:

@@ -123,12 +123,14 @@ def bench_schedules(name: str, size, schedules: list[str], k: int, steps: int | 
                     warmup: int | None, threads: int, dtype: str, log) -> dict:
     from mcore_rl.benchmarks.train import _config_path, our_overrides, run_ours
     from mcore_rl.config import load_config
+    from mcore_rl.rl.job_check import check_registered_names
 
     steps = steps or size.steps
     warmup = size.warmup if warmup is None else warmup
     config = _config_path(size.config)
     size_overrides = size.overrides + LENGTHS.get(name, [])
     base = load_config(str(config), size_overrides + size.extra)
+    check_registered_names(base)
     runs, overrides = {}, {}
     with tempfile.TemporaryDirectory(prefix=f"mcore-rl-bench-schedules-{name}-") as tmp:
         work = Path(tmp)
@@ -168,7 +170,7 @@ def bench_schedules(name: str, size, schedules: list[str], k: int, steps: int | 
             "settings": {"prompts_per_step": cfg.data.prompts_per_step,
                          "group_size": cfg.rollout.n_samples_per_prompt,
                          "max_new_tokens": cfg.rollout.max_new_tokens, "placement": cfg.rollout.placement,
-                         "threads": threads, "warmup_steps": warmup, "dtype": dtype},
+                         "threads": threads, "warmup_steps": warmup, "dtype": cfg.model.dtype},
             "comparisons": comparisons,
             "targets": {c: {"speedup": TARGETS[c], "met": comparisons[c]["speedup"] >= TARGETS[c]}
                         for c in comparisons},

@@ -11,7 +11,9 @@ Sampling still draws from one seeded generator per prompt, consuming it as ``gen
 batch only when all of them have ended. A call with one prompt therefore gives exactly the
 `hf` engine's samples; with several, padding and batch shapes can move logits in their last
 bits, which can flip a near-tied draw, as in any batched engine. Log-probs follow the same
-convention (``log_softmax(logits / T)`` of the raw logits).
+convention (``log_softmax(logits / T)`` of the raw logits). Sampling uses only the
+`SamplingConfig`: defaults that a checkpoint's ``generation_config.json`` sets (a repetition
+penalty, say), which ``generate`` and so the `hf` engine apply, do not apply here.
 """
 from __future__ import annotations
 
@@ -59,8 +61,10 @@ class HFBatchedEngine(HFEngine):
             return []
         sampling = queue[0].sampling
         batch = [r for r in queue if r.sampling == sampling]
-        queue[:] = [r for r in queue if r.sampling != sampling]
-        rollouts = self.generate([r.prompt for r in batch], sampling, seeds=[r.seed for r in batch])
+        # a request without a seed samples as it would alone (seed + 0)
+        rollouts = self.generate([r.prompt for r in batch], sampling,
+                                 seeds=[self.seed if r.seed is None else r.seed for r in batch])
+        queue[:] = [r for r in queue if r.sampling != sampling]  # only once they have run
         by_prompt: list[list[RolloutSample]] = [[] for _ in batch]
         for s in rollouts.samples:
             by_prompt[s.prompt_index].append(s)
@@ -74,6 +78,7 @@ class HFBatchedEngine(HFEngine):
         n, greedy = sampling.n, sampling.temperature == 0
         temperature = 1.0 if greedy else sampling.temperature
         stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long)
+        maskable = stop[stop < self.vocab_size]  # ids past the vocabulary are never sampled
         rows = len(prompts) * n
         width = max(len(p) for p in prompts)
         ids = torch.full((rows, width), PAD_ID, dtype=torch.long)
@@ -82,7 +87,10 @@ class HFBatchedEngine(HFEngine):
             ids[g * n:(g + 1) * n, width - len(p):] = torch.tensor(p)
             mask[g * n:(g + 1) * n, width - len(p):] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        # logits of the last position only, as generate asks for them (and a [rows, width,
+        # vocab] tensor would outweigh the KV cache)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
         cache = out.past_key_values
 
         tokens: list[list[int]] = [[] for _ in range(rows)]
@@ -92,10 +100,11 @@ class HFBatchedEngine(HFEngine):
         row_ids = torch.arange(rows)        # batch row -> row
         for t in range(sampling.max_new_tokens):
             logits = out.logits[:, -1, :self.vocab_size].float()
+            del out
             lp = torch.log_softmax(logits / temperature, dim=-1)
             scores = logits.clone()
-            if t < sampling.min_new_tokens and len(stop):
-                scores[:, stop] = float("-inf")
+            if t < sampling.min_new_tokens and len(maskable):
+                scores[:, maskable] = float("-inf")
             if greedy:
                 chosen = scores.argmax(-1)
             else:
@@ -124,7 +133,7 @@ class HFBatchedEngine(HFEngine):
             mask = torch.cat([mask, mask.new_ones(len(row_ids), 1)], dim=1)
             positions = positions[:, -1:] + 1
             out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
 
         stops = set(sampling.stop_token_ids)
         return [RolloutSample(indices[r // n], r % n, prompts[r // n], tokens[r], logprobs[r],

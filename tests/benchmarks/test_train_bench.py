@@ -101,11 +101,15 @@ def test_set_overrides_reach_our_run_and_the_settings_trl_shares(tmp_path, monke
 
 @pytest.mark.parametrize("override, message", [
     ("rollout.engine", "--set 'rollout.engine': write it as KEY=VALUE"),
-    ("rollout.engin=hf", "rollout.engin")])
-def test_a_bad_set_override_is_one_line_with_exit_2_before_any_run(tmp_path, capsys, monkeypatch, override, message):
+    ("rollout.engin=hf", "rollout.engin"),
+    ("rollout.engine=hf_batchd", "unknown rollout engine 'hf_batchd'; did you mean 'hf_batched'")])
+@pytest.mark.parametrize("mode", [[], ["--schedule", "sync,async"]], ids=["trl", "schedules"])
+def test_a_bad_set_override_is_one_line_with_exit_2_before_any_run(tmp_path, capsys, monkeypatch, override,
+                                                                   message, mode):
     from mcore_rl.benchmarks import train
 
-    monkeypatch.setattr(train, "run_ours", lambda *a: pytest.fail("a run started"))
-    assert main(["bench", "train", "--json", str(tmp_path / "x.json"), "--quick", "--set", override]) == 2
+    monkeypatch.setattr(train, "run_ours", lambda *a, **kw: pytest.fail("a run started"))
+    assert main(["bench", "train", "--json", str(tmp_path / "x.json"), "--quick", "--set", override,
+                 *mode]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err

@@ -33,14 +33,22 @@ def _tokens(rollouts):
     return [(s.prompt_index, s.sample_index, s.token_ids) for s in rollouts]
 
 
-def test_one_prompt_gives_exactly_the_hf_engines_samples(batched, one_by_one):
+@pytest.mark.filterwarnings("ignore:top_p=")
+@pytest.mark.parametrize("options", [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.3, top_p=0.9),
+    dict(temperature=0.8, top_k=20, top_p=0.8, min_new_tokens=2, stop_token_ids=tuple(range(0, 256, 7))),
+    dict(temperature=0, min_new_tokens=3, stop_token_ids=tuple(range(0, 256, 5))),
+], ids=["t1", "t0.7-topk", "t1.3-topp", "topk-topp-stops-min", "greedy-stops-min"])
+def test_one_prompt_gives_exactly_the_hf_engines_samples(batched, one_by_one, options):
     for prompt in PROMPTS:
-        sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=6, seed=3)
+        sampling = SamplingConfig(n=1 if options["temperature"] == 0 else 4, max_new_tokens=6,
+                                  seed=3, **options)
         ours = batched.generate([prompt], sampling)
         theirs = one_by_one.generate([prompt], sampling)
         assert _tokens(ours) == _tokens(theirs)
-        for a, b in zip(ours, theirs):
-            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert [(s.logprobs, s.finish_reason) for s in ours] == [(s.logprobs, s.finish_reason) for s in theirs]
 
 
 def test_padded_greedy_batch_matches_the_hf_engine_prompt_by_prompt(batched, one_by_one):
@@ -81,12 +89,13 @@ def test_rows_end_at_their_stop_token_and_their_prompt_leaves_when_all_rows_have
         assert [s.token_ids for s in alone] == [s.token_ids for s in stopped if s.prompt_index == i]
 
 
-def test_min_new_tokens_holds_the_stop_token_back(batched):
-    greedy = batched.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6))
-    stop = greedy.samples[0].token_ids[0]
-    held = batched.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6, min_new_tokens=6,
-                                                    stop_token_ids=(stop,)))
-    assert all(len(s.token_ids) == 6 and stop not in s.token_ids for s in held)
+def test_min_new_tokens_holds_the_stop_tokens_back_until_that_length(batched):
+    stops = tuple(range(0, 300, 2))  # half the vocabulary, and ids past its end
+    held = batched.generate(PROMPTS, SamplingConfig(n=4, max_new_tokens=6, min_new_tokens=3,
+                                                    stop_token_ids=stops, seed=0))
+    # three tokens that are no stop token, then a stop may come (at half the vocabulary, soon)
+    assert all(len(s.token_ids) > 3 and not set(s.token_ids[:3]) & set(stops) for s in held)
+    assert min(len(s.token_ids) for s in held if s.finish_reason == "stop") == 4
 
 
 def test_calls_larger_than_max_batch_rows_run_in_several_batches_with_the_same_samples(model_dir, batched):
@@ -95,6 +104,24 @@ def test_calls_larger_than_max_batch_rows_run_in_several_batches_with_the_same_s
     assert _tokens(small.generate(PROMPTS, sampling)) == _tokens(batched.generate(PROMPTS, sampling))
     assert prompt_chunks(5, 2, 4) == [[0, 1], [2, 3], [4]]
     assert prompt_chunks(3, 8, 4) == [[0], [1], [2]]  # a prompt is never split
+
+
+def test_step_batches_requests_that_sample_alike_and_keeps_the_queue_when_it_fails(model_dir, one_by_one):
+    engine = HFBatchedEngine(model_dir)
+    greedy, sampled = SamplingConfig(temperature=0, max_new_tokens=3), SamplingConfig(n=2, max_new_tokens=3)
+    for rid, prompt, sampling, seed in [("a", PROMPTS[0], sampled, None), ("b", PROMPTS[1], greedy, 1),
+                                        ("c", PROMPTS[2], sampled, 7)]:
+        engine.submit(Request(rid, prompt, sampling, seed))
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.step()
+    engine.wake()
+    first = dict(engine.step())
+    assert set(first) == {"a", "c"} and set(dict(engine.step())) == {"b"} and engine.step() == []
+    # a request without a seed samples as it would alone
+    assert [s.token_ids for s in first["a"]] == [s.token_ids for s in one_by_one.generate([PROMPTS[0]], sampled)]
+    assert [s.token_ids for s in first["c"]] == \
+        [s.token_ids for s in one_by_one.generate([PROMPTS[2]], sampled, seeds=[7])]
 
 
 def test_step_runs_the_queued_requests_as_one_batch(model_dir, batched, monkeypatch):
@@ -127,3 +154,13 @@ def test_routes_are_refused_and_the_registry_says_so(batched):
         batched.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=2, return_routes=True))
     with pytest.raises(UsageError, match="max_batch_rows"):
         HFBatchedEngine("never-read", max_batch_rows=0)
+
+
+def test_each_forward_returns_the_logits_of_the_last_position_only(batched):
+    widths = []
+    hook = batched.model.register_forward_hook(lambda module, args, out: widths.append(out.logits.shape[1]))
+    try:
+        batched.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=3, seed=0))
+    finally:
+        hook.remove()
+    assert widths == [1, 1, 1]  # the prefill ([rows, 6 positions]) too: not [rows, 6, vocab]
