@@ -11,9 +11,8 @@ Sampling still draws from one seeded generator per prompt, consuming it as ``gen
 batch only when all of them have ended. A call with one prompt therefore gives exactly the
 `hf` engine's samples; with several, padding and batch shapes can move logits in their last
 bits, which can flip a near-tied draw, as in any batched engine. Log-probs follow the same
-convention (``log_softmax(logits / T)`` of the raw logits). Sampling uses only the
-`SamplingConfig`: defaults that a checkpoint's ``generation_config.json`` sets (a repetition
-penalty, say), which ``generate`` and so the `hf` engine apply, do not apply here.
+convention (``log_softmax(logits / T)`` of the raw logits), and sampling follows the
+`SamplingConfig` alone, as there.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 No batching across prompts and no KV-cache reuse between calls: meant for tiny models,
 tests and machines without vLLM. Log-probs follow mcore-rl's convention
-(``log_softmax(logits / T)`` of the raw logits, untruncated; greedy uses T = 1). Each request
+(``log_softmax(logits / T)`` of the raw logits, untruncated; greedy uses T = 1), and sampling
+follows the `SamplingConfig` alone (a checkpoint's own sampling defaults are dropped). Each request
 is sampled from its own seeded generator state, so a (prompt, seed) pair always gives the
 same samples. Weight updates read the same shared-memory buckets as the other engines and
 copy each HF-named tensor into the module's parameter (for mixture-of-experts layers, into
@@ -43,6 +44,17 @@ def fused_target(model: torch.nn.Module, name: str) -> torch.Tensor:
     return experts.gate_up_proj[e, :inter] if part == "gate" else experts.gate_up_proj[e, inter:]
 
 
+def token_ids_only(config):
+    """A ``GenerationConfig`` with only the special token ids of ``config``: ``generate`` fills
+    every option it is not given from the model's config, and a checkpoint's sampling
+    defaults (a repetition penalty, an n-gram ban) would make it sample from another
+    distribution than the one the engine's log-probs describe (its `SamplingConfig`'s)."""
+    from transformers import GenerationConfig
+
+    ids = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return GenerationConfig(**{k: v for k, v in ids.items() if v is not None})
+
+
 class HFEngine(RolloutEngine):
     """A transformers causal LM loaded from ``model_dir`` (eager attention)."""
 
@@ -57,6 +69,7 @@ class HFEngine(RolloutEngine):
 
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=DTYPES[dtype], attn_implementation="eager").eval()
+        self.model.generation_config = token_ids_only(self.model.generation_config)
         self.vocab_size = self.model.config.vocab_size
         self.seed = seed
         self._buffer: torch.Tensor | None = None
@@ -81,6 +94,7 @@ class HFEngine(RolloutEngine):
     def _generate_one(self, rollouts: Rollouts, i: int, prompt: list[int], seed: int | None,
                       sampling: SamplingConfig, greedy: bool, stop: set, recorder) -> None:
         torch.manual_seed(self.seed + i if seed is None else seed)
+        rows = 1 if greedy else sampling.n  # greedy samples are all the same: decode one
         ids = torch.tensor([prompt])
         out = self.model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
@@ -88,22 +102,23 @@ class HFEngine(RolloutEngine):
             top_p=None if greedy else sampling.top_p,
             top_k=None if greedy or sampling.top_k < 1 else sampling.top_k,
             max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens or None,
-            num_return_sequences=sampling.n,
+            num_return_sequences=rows,
             eos_token_id=list(stop) or None, pad_token_id=0, output_logits=True,
             return_dict_in_generate=True)
         temperature = 1.0 if greedy else sampling.temperature
-        # logits [steps, n, V] of the raw model, before any sampling processor.
+        # logits [steps, rows, V] of the raw model, before any sampling processor.
         logits = torch.stack(out.logits).float()[..., :self.vocab_size] / temperature
         logprobs = torch.log_softmax(logits, dim=-1)
-        routes = recorder.take(sampling.n) if recorder is not None else None
+        routes = recorder.take(rows) if recorder is not None else None
         for j in range(sampling.n):
-            tokens = out.sequences[j, len(prompt):].tolist()
+            row = j % rows
+            tokens = out.sequences[row, len(prompt):].tolist()
             end = next((t + 1 for t, tok in enumerate(tokens) if tok in stop), None)
             tokens = tokens[:end] if end else tokens
-            lp = [logprobs[t, j, tok].item() for t, tok in enumerate(tokens)]
+            lp = [logprobs[t, row, tok].item() for t, tok in enumerate(tokens)]
             rollouts.samples.append(RolloutSample(
                 i, j, prompt, tokens, lp, "stop" if end else "length", self.weight_version,
-                None if routes is None else routes[j, :len(prompt) + len(tokens) - 1].clone()))
+                None if routes is None else routes[row, :len(prompt) + len(tokens) - 1].clone()))
 
     def begin_update(self, path: str, nbytes: int, version: int) -> None:
         self._check_weights_awake()

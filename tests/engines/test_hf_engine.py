@@ -88,3 +88,25 @@ def test_per_expert_checkpoint_tensors_load_into_the_fused_expert_weights(tmp_pa
     assert set(got) == set(expected)
     assert all(torch.equal(got[name], expected[name]) for name in expected)
     assert engine.weight_version == 1
+
+
+def test_sampling_defaults_of_the_checkpoint_do_not_apply(tmp_path, dirs):
+    import shutil
+
+    from transformers import GenerationConfig
+
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=8, seed=1)
+    plain = [s.token_ids for s in HFEngine(dirs[0]).generate(PROMPTS, sampling)]
+    biased = tmp_path / "biased"
+    shutil.copytree(dirs[0], biased)
+    # defaults that generate() would apply: every token the plain model sampled suppressed
+    GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=True, repetition_penalty=3.0,
+                     suppress_tokens=sorted({t for tokens in plain for t in tokens})).save_pretrained(biased)
+    assert [s.token_ids for s in HFEngine(biased).generate(PROMPTS, sampling)] == plain
+
+
+def test_greedy_gives_n_copies_of_the_one_greedy_response(engine):
+    one = engine.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=5))
+    three = engine.generate(PROMPTS, SamplingConfig(n=3, temperature=0, max_new_tokens=5))
+    assert [(s.prompt_index, s.sample_index) for s in three] == [(i, j) for i in range(2) for j in range(3)]
+    assert [(s.token_ids, s.logprobs) for s in three] == [(s.token_ids, s.logprobs) for s in one for _ in range(3)]
