@@ -48,8 +48,7 @@ class HFBatchedEngine(HFEngine):
                              "use rollout.engine=hf")
         rollouts = Rollouts()
         for chunk in prompt_chunks(len(prompts), sampling.n, self.max_batch_rows):
-            generators = [torch.Generator().manual_seed(self.seed + i if seeds[i] is None else seeds[i])
-                          for i in chunk]
+            generators = [torch.Generator().manual_seed(self.request_seed(i, seeds[i])) for i in chunk]
             rollouts.samples.extend(self._decode(chunk, [prompts[i] for i in chunk], generators, sampling))
         return rollouts
 
@@ -101,7 +100,7 @@ class HFBatchedEngine(HFEngine):
             logits = out.logits[:, -1, :self.vocab_size].float()
             del out
             lp = torch.log_softmax(logits / temperature, dim=-1)
-            scores = logits.clone()
+            scores = logits  # lp is taken: the sampling masks may write into them
             if t < sampling.min_new_tokens and len(maskable):
                 scores[:, maskable] = float("-inf")
             if greedy:
@@ -134,10 +133,8 @@ class HFBatchedEngine(HFEngine):
             out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
 
-        stops = set(sampling.stop_token_ids)
         return [RolloutSample(indices[r // n], r % n, prompts[r // n], tokens[r], logprobs[r],
-                              "stop" if tokens[r] and tokens[r][-1] in stops else "length",
-                              self.weight_version)
+                              "stop" if ended[r] else "length", self.weight_version)
                 for r in range(rows)]
 
 
@@ -156,7 +153,8 @@ def truncate(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if top_p < 1.0:
         ordered, order = torch.sort(scores, dim=-1, descending=True)
-        before = torch.softmax(ordered, dim=-1).cumsum(-1) - torch.softmax(ordered, dim=-1)
+        probs = torch.softmax(ordered, dim=-1)
+        before = probs.cumsum(-1) - probs
         drop = before >= top_p  # the mass before a token already reaches top_p; the first stays
         scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return scores

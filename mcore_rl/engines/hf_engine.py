@@ -74,6 +74,10 @@ class HFEngine(RolloutEngine):
         self.seed = seed
         self._buffer: torch.Tensor | None = None
 
+    def request_seed(self, i: int, seed: int | None) -> int:
+        """The seed of the ``i``-th prompt of a call: its own, else the engine's seed + i."""
+        return self.seed + i if seed is None else seed
+
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                   seeds: list[int | None]) -> Rollouts:
@@ -93,7 +97,7 @@ class HFEngine(RolloutEngine):
 
     def _generate_one(self, rollouts: Rollouts, i: int, prompt: list[int], seed: int | None,
                       sampling: SamplingConfig, greedy: bool, stop: set, recorder) -> None:
-        torch.manual_seed(self.seed + i if seed is None else seed)
+        torch.manual_seed(self.request_seed(i, seed))
         rows = 1 if greedy else sampling.n  # greedy samples are all the same: decode one
         ids = torch.tensor([prompt])
         out = self.model.generate(
