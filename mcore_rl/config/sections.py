@@ -512,6 +512,12 @@ class TrainConfig:
     """A loss or gradient that is not finite (on any rank): the optimizer step is never
     applied; stop: the run ends with one line naming the step; skip: the update is skipped,
     counted in ``actor/skipped_updates`` (``critic/...``), and the run goes on."""
+    share_prompts: bool = True
+    """The trainer computes a prompt once for all its samples in a micro-batch (a prompt's n
+    rows become one row: the prompt, then each sample's response, under a mask that keeps
+    the responses apart; `mcore_rl.train.shared_prompts`). The same log-probs, values and
+    gradients up to round-off, for a fraction of the compute when prompts are long against
+    responses. Dense models on the local layer spec; others run every row whole."""
     schedule: Literal["sync", "one_step_off", "async"] = "sync"
     """How generation and training overlap (the RL graph of ``mcore-rl train``): sync: the
     next step's rollout starts once the update and weight sync of this one are done;

@@ -9,11 +9,15 @@ the output and the log-sum-exp, so memory grows with s, not s^2, and grouped-que
 reads the KV heads without repeating them.
 
 It takes the cases our models run: causal self-attention without a mask tensor (right
-padding needs none), no attention bias, no sliding window, no learnable softmax offset and
-no attention dropout while training. Anything else goes to Megatron's own implementation.
+padding needs none), or self-attention under an explicit boolean mask [b, 1, s, s] (True:
+masked, Megatron's convention; the train engine's shared prompts,
+`mcore_rl.train.shared_prompts`), with no attention bias, no sliding window, no learnable
+softmax offset and no attention dropout while training. Anything else goes to Megatron's
+own implementation.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -26,8 +30,10 @@ class SDPAttention(DotProductAttention):
                        packed_seq_params) -> bool:
         config = self.config
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        return (attention_mask is None and attention_bias is None and packed_seq_params is None
-                and mask_type == AttnMaskType.causal and query.shape[0] == key.shape[0]
+        return ((attention_mask is None and mask_type == AttnMaskType.causal
+                 or _boolean_mask(attention_mask, query))
+                and attention_bias is None and packed_seq_params is None
+                and query.shape[0] == key.shape[0]
                 and getattr(config, "window_size", None) is None
                 and getattr(config, "softmax_type", "vanilla") == "vanilla"
                 and not config.apply_query_key_layer_scaling
@@ -42,8 +48,18 @@ class SDPAttention(DotProductAttention):
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         grouped = self.num_attention_heads_per_partition > self.num_query_groups_per_partition
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                             enable_gqa=grouped)
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                 enable_gqa=grouped)
+        else:  # torch's boolean mask marks what may be attended: the opposite of Megatron's
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask,
+                                                 scale=self.softmax_scale, enable_gqa=grouped)
         # [b, heads, s, d] -> [s, b, heads * d]
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+
+def _boolean_mask(mask, query) -> bool:
+    """A [b, 1, s, s] boolean mask over the query's own sequence (``query`` [s, b, ...])."""
+    s, b = query.shape[0], query.shape[1]
+    return mask is not None and mask.dtype == torch.bool and tuple(mask.shape) == (b, 1, s, s)

@@ -28,6 +28,8 @@ from mcore_rl.parallel.agreement import backend_device
 from mcore_rl.train.micro_batches import pack_micro_batches, split_for_data_parallel, units_of
 from mcore_rl.train.moe_metrics import aux_loss_metrics, clear_aux_losses
 from mcore_rl.train.routing_replay import ROUTES
+from mcore_rl.train.shared_prompts import (SharedLayout, share_prompts, supports_shared_prompts,
+                                           token_positions, unshare)
 
 # loss_fn(outputs, micro_batch) -> (summed loss, unit count, {metric name: summed value})
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Tensor | int, dict]]
@@ -74,12 +76,15 @@ class TrainEngine:
         fused_lm_head: apply the LM head inside the log-prob, only at response tokens
             (`mcore_rl.train.fused_head`); outputs at other positions are then 0. False:
             the model's own output layer computes logits at every position.
+        share_prompts: rows with the same prompt (a prompt's samples) compute it once per
+            micro-batch (`mcore_rl.train.shared_prompts`); where the model supports it (see
+            `shares_prompts`), else ignored.
     """
 
     def __init__(self, chunks: list, ctx: ParallelContext, *, kind: str = "lm",
                  vocab_size: int | None = None, micro_batch_tokens: int = 4096,
                  optimizer=None, scheduler=None, logprob_impl: str = "auto",
-                 fused_lm_head: bool = True):
+                 fused_lm_head: bool = True, share_prompts: bool = False):
         if kind not in ("lm", "value", "reward"):
             raise ValueError(f"kind must be 'lm', 'value' or 'reward', got {kind!r}")
         self.model = chunks
@@ -102,12 +107,20 @@ class TrainEngine:
             from mcore_rl.train.routing_replay import RoutingReplay
 
             self.routing = RoutingReplay(chunks)
+        self.shares_prompts = share_prompts and supports_shared_prompts(chunks, ctx)
+        """Whether micro-batches are laid out with shared prompts (requested, and the model is
+        dense, with rotary or learned positions, on the local layer spec's attention, and
+        not interleaved over gloo)."""
         self._micro: list[Batch] = []
+        self._layouts: dict[int, SharedLayout] = {}
 
     # ----- what the model computes per micro-batch ------------------------------------
     def _head_outputs(self, output: torch.Tensor, mb: Batch, temperature: float,
                       with_entropy: bool) -> dict[str, torch.Tensor]:
         """Per-token outputs aligned to the tokens they describe; 0 on padding."""
+        layout = self._layouts.get(id(mb))
+        if layout is not None:
+            output = unshare(output, layout)
         real = mb["attention_mask"].to(torch.float32)
         if self.kind in ("value", "reward"):
             values = output.float().reshape(output.shape[0], output.shape[1])
@@ -137,13 +150,30 @@ class TrainEngine:
 
     def _plan(self, batch: Batch) -> list[list[int]]:
         """This DP rank's micro-batches as index lists into ``batch``. Rows that share a
-        ``pack_unit`` id (a DPO pair) stay on one rank and in one micro-batch."""
+        ``pack_unit`` id (a DPO pair) stay on one rank and in one micro-batch; with shared
+        prompts so do the rows of a ``group_id`` (a prompt's samples), unless there are too
+        few groups for the ranks and stages."""
         lens = batch.seq_lens
-        units = units_of(batch["pack_unit"], len(batch)) if "pack_unit" in batch else None
-        mine = split_for_data_parallel(lens, self.ctx.dp, units)[self.ctx.dp_rank]
         multiple = self.ctx.pp if self.ctx.vpp else 1
-        plan = pack_micro_batches(lens, mine, self.micro_batch_tokens, multiple_of=multiple,
-                                  units=units)
+        if "pack_unit" in batch:
+            units = units_of(batch["pack_unit"], len(batch))
+        elif self.shares_prompts and "group_id" in batch:
+            units = units_of(batch["group_id"], len(batch))  # a prompt's samples stay together
+        else:
+            units = None
+
+        def plan_with(units):
+            mine = split_for_data_parallel(lens, self.ctx.dp, units)[self.ctx.dp_rank]
+            return pack_micro_batches(lens, mine, self.micro_batch_tokens, multiple_of=multiple,
+                                      units=units)
+
+        if units is not None and "pack_unit" not in batch:
+            try:
+                plan = plan_with(units)
+            except ValueError:  # too few prompts for the ranks or stages: split them after all
+                plan = plan_with(None)
+        else:
+            plan = plan_with(units)
         if self._experts_across_ranks:
             # Every micro-batch's expert layers exchange tokens with the other EP ranks, so
             # all ranks run as many micro-batches (the extra ones are all padding, no loss).
@@ -192,6 +222,15 @@ class TrainEngine:
             tp = self.ctx.tp
             micro = [m.padded_to(len(m), -(-m.num_tokens // tp) * tp) for m in micro]
         self._micro = micro
+        self._layouts = {}
+        if self.shares_prompts and not uniform:
+            sp = self.ctx.tp if self.model[0].config.sequence_parallel else 1
+            for m in micro:
+                layout = share_prompts(m, self.model[0].config.hidden_size, multiple_of=sp)
+                if layout is not None:
+                    self._layouts[id(m)] = layout.to(self.ctx.device)
+        shapes = [(lay.input_ids.shape[0], lay.num_tokens) if (lay := self._layouts.get(id(m)))
+                  else (len(m), m.num_tokens) for m in micro]
 
         def iterator() -> Iterator[Batch]:
             return iter(micro)
@@ -200,17 +239,26 @@ class TrainEngine:
         data = [iterator() for _ in self.model] if len(self.model) > 1 else iterator()
         config = self.model[0].config
         config.variable_seq_lengths = self.ctx.pp > 1 and not uniform
-        return get_forward_backward_func()(
-            forward_step_func=step_fn, data_iterator=data, model=self.model,
-            num_microbatches=len(micro), seq_length=max(m.num_tokens for m in micro),
-            micro_batch_size=max(len(m) for m in micro), forward_only=forward_only,
-            collect_non_loss_data=collect)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=step_fn, data_iterator=data, model=self.model,
+                num_microbatches=len(micro), seq_length=max(t for _, t in shapes),
+                micro_batch_size=max(r for r, _ in shapes), forward_only=forward_only,
+                collect_non_loss_data=collect)
+        finally:
+            self._layouts = {}
 
     def _run_model(self, model, mb: Batch):
         """The chunk's forward over a micro-batch. A mixture-of-experts model is told which
         tokens are padding, so its load-balancing loss counts only real tokens (Megatron
         routes padding all the same); a micro-batch of nothing but padding (one that evens
-        out the ranks' micro-batch counts under expert parallelism) adds no such loss."""
+        out the ranks' micro-batch counts under expert parallelism) adds no such loss. A
+        micro-batch with a shared layout runs as its shared rows."""
+        layout = self._layouts.get(id(mb))
+        if layout is not None:
+            with token_positions(model, layout.position_ids):
+                return model(layout.input_ids, layout.position_ids,
+                             attention_mask=layout.attention_mask)
         if not self._is_moe:
             return model(*self._model_inputs(mb), attention_mask=None)
         padding = mb["attention_mask"] == 0

@@ -1,8 +1,9 @@
 """The local spec's core attention (`mcore_rl.models.sdpa_attention`, PyTorch's fused kernel)
 computes what Megatron's `DotProductAttention` computes: the same outputs and the same
-gradients for queries, keys and values, with grouped-query heads split over TP ranks. Where
-the fused kernel does not apply (a mask tensor, or queries shorter than the keys) it hands
-over to Megatron's implementation unchanged."""
+gradients for queries, keys and values, with grouped-query heads split over TP ranks, causal
+or under an explicit boolean mask (the shared-prompt layout's). Where the fused kernel does
+not apply (queries shorter than the keys) it hands over to Megatron's implementation
+unchanged."""
 import torch
 
 from tests.world import shared_world
@@ -35,11 +36,16 @@ def _compare(rank, world_size):
             out = module(q, k, v, None)
             (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
             results[name] = (out.detach(), q.grad, k.grad, v.grad)
-        # A mask tensor: Megatron's path, to the bit
+        # A boolean mask tensor (True: masked), as the shared-prompt layout passes one
         mask = torch.rand(b, 1, s, s, generator=g) > 0.7
         mask |= torch.ones(s, s, dtype=torch.bool).triu(1)
         mask[..., 0] = False  # every query sees at least the first key
-        masked = [m(*inputs, mask) for m in (ours, megatron)]
+        masked = []
+        for module in (ours, megatron):
+            q, k, v = (t.clone().requires_grad_(True) for t in inputs)
+            out_m = module(q, k, v, mask)
+            (out_m * torch.linspace(-1, 1, out_m.numel()).view_as(out_m)).sum().backward()
+            masked.append((out_m.detach(), q.grad, k.grad, v.grad))
         # Queries shorter than the keys (causal alignment differs): Megatron's path too
         short = [m(inputs[0][-1:], inputs[1], inputs[2], None) for m in (ours, megatron)]
     finally:
@@ -57,5 +63,7 @@ def test_fused_attention_equals_megatrons_in_outputs_and_gradients():
             assert r.abs().sum() > 0
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, n=name: f"d{n}: {m}")
-        assert torch.equal(masked[0], masked[1]) and not torch.allclose(masked[0], out)
+        for a, r in zip(*masked):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(masked[0][0], out)  # the mask took effect
         assert torch.equal(short[0], short[1])

@@ -14,6 +14,10 @@ is a reward penalty), and all six again when core attention moved to PyTorch's f
 attention (sampling parts from round-off). ``x86-avx2`` holds the values of an AVX2-only
 machine, which CI replayed; ``x86-avx512-amx`` those of a machine with AVX-512 and AMX,
 recorded by the same code, where the AVX2 values do not replay (see tests/cpu_kernels.py).
+They run with ``train.share_prompts=false``, the trainer's layout they were recorded with:
+the shared-prompt layout computes the same up to round-off, from which sampling parts
+within a step (its parity with the unshared layout is tested in
+``tests/train/test_shared_prompts.py``).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ REPO = HERE.parents[2]
 BASE = ["rollout.engine=hf", "train.warm_start_steps=40", "train.steps=3", "train.val_every=3",
         "data.num_val=16", "checkpoint.save_every=0", "logging.progress_bar=false",
         "logging.tensorboard=false", "logging.samples_every=0", "reshard.verify=true",
-        "reshard.verify_every=1"]
+        "reshard.verify_every=1", "train.share_prompts=false"]
 PPO = ["algorithm.advantage_estimator=gae", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2",
        "optimizer.critic_lr=1e-3"]
 KL = ["algorithm.kl_coef=0.05", "algorithm.adaptive_kl_target=0.01"]
