@@ -305,8 +305,11 @@ def engine_sleep(state) -> None:
 
 def sync_weights(state) -> dict[str, float]:
     """Wake the engine's weights, stream the new actor weights into them, wake its KV cache
-    (the colocated hand-back, in that order), then optionally verify engine log-probs."""
-    if state.rollout is not None:
+    (the colocated hand-back, in that order), then optionally verify engine log-probs.
+    Beside the trainer (``rollout.placement: separate``) the engine never sleeps: no wake
+    calls (each a round trip to an engine in another process)."""
+    wakes = state.rollout is not None and state.colocated
+    if wakes:
         state.rollout.wake_weights()
     state.weight_version += 1
     try:
@@ -315,7 +318,7 @@ def sync_weights(state) -> dict[str, float]:
         if state.rollout is not None:
             state.rollout.check_alive("the weight sync")  # a dead engine is the cause to report
         raise
-    if state.rollout is not None:
+    if wakes:
         state.rollout.wake_kv_cache()
     out = {"sync/seconds": stats.total_s, "sync/transfer_s": stats.transfer_s,
            "sync/apply_s": stats.apply_s}

@@ -67,14 +67,25 @@ def _collapsed(calls: list[str]) -> list[str]:
     return [c for i, c in enumerate(calls) if i == 0 or c != calls[i - 1]]
 
 
+def _overrides(tmp_path) -> list[str]:
+    return [f"rollout.engine={__name__}:build_recording_engine", "train.warm_start_steps=2",
+            "train.steps=2", "train.val_every=0", "reshard.verify=false",
+            "checkpoint.save_every=0", "logging.progress_bar=false",
+            "logging.tensorboard=false", "logging.samples_every=0", f"logging.dir={tmp_path}"]
+
+
 def test_rl_steps_hand_the_devices_over_in_order_sleep_train_wake_weights_sync_wake_kv(tmp_path):
-    overrides = [f"rollout.engine={__name__}:build_recording_engine", "train.warm_start_steps=2",
-                 "train.steps=2", "train.val_every=0", "reshard.verify=false",
-                 "checkpoint.save_every=0", "logging.progress_bar=false",
-                 "logging.tensorboard=false", "logging.samples_every=0", f"logging.dir={tmp_path}"]
-    calls = _collapsed(shared_world(1).run(_run_and_record, overrides)[0])
+    calls = _collapsed(shared_world(1).run(_run_and_record, _overrides(tmp_path))[0])
     handoff = ["sleep", "train", "wake_weights", "begin_update", "finish_update", "wake_kv_cache"]
     assert calls == handoff + ["generate"] + handoff + ["generate"] + handoff, calls
+
+
+def test_an_engine_beside_the_trainer_is_never_put_to_sleep_or_woken(tmp_path):
+    # each sleep or wake would be a round trip to an engine in another process
+    overrides = _overrides(tmp_path) + ["rollout.placement=separate"]
+    calls = _collapsed(shared_world(1).run(_run_and_record, overrides)[0])
+    steps = ["train", "begin_update", "finish_update"]
+    assert calls == steps + ["generate"] + steps + ["generate"] + steps, calls
 
 
 @pytest.fixture(scope="module")
