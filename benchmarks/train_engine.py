@@ -7,7 +7,10 @@ In one run, on the same random batch and model shape (Llama-style, fp32):
 - TP2 and PP2 on two local ranks (one thread each), reported next to the TP1 figure;
 - a mixture-of-experts model of the same width (Qwen3-MoE-shaped: QK norm, 8 experts,
   top-2, every layer MoE) at EP1 (one rank) and EP2 (two ranks x one thread, each holding
-  half the experts), both against HF ``Qwen3MoeForCausalLM`` of the same shape.
+  half the experts), both against HF ``Qwen3MoeForCausalLM`` of the same shape;
+- shared prompts (`mcore_rl.train.shared_prompts`) at TP1 on a GRPO-shaped batch (groups
+  of samples of one prompt, prompts longer than responses), against the same engine
+  computing every row whole.
 Both single-rank sides use the same number of threads. Tokens are the real (non-padding)
 tokens.
 """
@@ -32,6 +35,11 @@ SIZES = {
 }
 
 
+GROUPS = {"full": dict(prompts=8, samples=8, prompt_len=(96, 160), response_len=(8, 64)),
+          "quick": dict(prompts=2, samples=4, prompt_len=(12, 16), response_len=(2, 6))}
+"""The GRPO-shaped batch of each size: prompts x samples, lengths drawn in these ranges."""
+
+
 def moe_arch(dense: ModelArch) -> ModelArch:
     """The mixture-of-experts model of a size: the dense shape, QK norm, 8 experts, top-2,
     each expert a quarter of the dense FFN."""
@@ -49,6 +57,25 @@ def make_batch(arch: ModelArch, n: int, min_len: int, max_len: int):
     lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
     seqs = [torch.randint(0, arch.vocab_size, (k,), generator=g).tolist() for k in lens]
     return Batch.from_sequences(seqs, prompt_lens=[min_len // 2] * n)
+
+
+def make_group_batch(arch: ModelArch, prompts: int, samples: int, prompt_len: tuple[int, int],
+                     response_len: tuple[int, int]):
+    """``prompts`` random prompts with ``samples`` random responses each (``group_id``)."""
+    from mcore_rl.data.batch import Batch
+
+    g = torch.Generator().manual_seed(1)
+    seqs, prompt_lens, groups = [], [], []
+    for group in range(prompts):
+        p = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=g))
+        prompt = torch.randint(0, arch.vocab_size, (p,), generator=g).tolist()
+        for _ in range(samples):
+            r = int(torch.randint(response_len[0], response_len[1] + 1, (1,), generator=g))
+            seqs.append(prompt + torch.randint(0, arch.vocab_size, (r,), generator=g).tolist())
+            prompt_lens.append(p)
+            groups.append(group)
+    batch = Batch.from_sequences(seqs, prompt_lens=prompt_lens)
+    return batch.with_tensors(group_id=torch.tensor(groups))
 
 
 def loss_fn(outputs, mb):
@@ -71,6 +98,28 @@ def _engine_rates(rank, world_size, size, tp, pp, ep=0):
     engine = build_engine(build_gpt_chunks(arch, ctx), ctx, vocab_size=arch.vocab_size,
                           optim=OptimizerConfig(lr=1e-5, micro_batch_tokens=budget))
     batch = make_batch(arch, spec["batch"], spec["min_len"], spec["max_len"])
+    tokens = int(batch.seq_lens.sum())
+    fwd = best_time(lambda: engine.forward(batch), spec["repeats"])
+    step = best_time(lambda: engine.train_batch(batch, loss_fn), spec["repeats"])
+    destroy_parallel()
+    return tokens / fwd, tokens / step
+
+
+def _shared_prompt_rates(rank, world_size, size, share: bool):
+    """Forward and train-step tokens/s at TP1 on the GRPO-shaped batch, prompts shared or
+    every row whole."""
+    from mcore_rl.config import OptimizerConfig
+    from mcore_rl.models.gpt import build_gpt_chunks
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.train.build import build_engine
+
+    spec = SIZES[size]
+    ctx = initialize_parallel(seed=1)
+    engine = build_engine(build_gpt_chunks(spec["arch"], ctx), ctx, vocab_size=spec["arch"].vocab_size,
+                          optim=OptimizerConfig(lr=1e-5), share_prompts=share)
+    if engine.shares_prompts != share:
+        raise RuntimeError("the engine does not share prompts on this model")
+    batch = make_group_batch(spec["arch"], **GROUPS[size])
     tokens = int(batch.seq_lens.sum())
     fwd = best_time(lambda: engine.forward(batch), spec["repeats"])
     step = best_time(lambda: engine.train_batch(batch, loss_fn), spec["repeats"])
@@ -133,9 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     print("[train-engine] mcore-rl TP1", flush=True)
     with SharedWorld(1, threads_per_rank=args.threads) as world:
         (tp1_fwd, tp1_step), = world.run(_engine_rates, size, 1, 1)
+        print("[train-engine] mcore-rl TP1, shared prompts against whole rows", flush=True)
+        (whole_fwd, whole_step), = world.run(_shared_prompt_rates, size, False)
+        (shared_fwd, shared_step), = world.run(_shared_prompt_rates, size, True)
     results = {
         "forward_tp1": throughput_comparison(tp1_fwd, hf_fwd, "tokens/s"),
         "train_step_tp1": throughput_comparison(tp1_step, hf_step, "tokens/s"),
+        "forward_shared_prompts": throughput_comparison(shared_fwd, whole_fwd, "tokens/s"),
+        "train_step_shared_prompts": throughput_comparison(shared_step, whole_step, "tokens/s"),
     }
     with SharedWorld(2, threads_per_rank=1) as world:
         for name, (tp, pp) in {"tp2": (2, 1), "pp2": (1, 2)}.items():
@@ -155,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
            "model": SIZES[size]["arch"].__dict__ | {}, "batch": SIZES[size]["batch"],
            "moe_model": {k: v for k, v in moe_arch(SIZES[size]["arch"]).__dict__.items()
                          if not k.startswith("_")},
+           "group_batch": GROUPS[size],
            "note": "forward_/train_step_tp1 compare against HF transformers; tp2/pp2 against "
                    "our TP1 (2 ranks x 1 thread vs 1 rank x --threads threads); moe_ep1/ep2 "
-                   "against HF Qwen3MoeForCausalLM of the moe_model shape",
+                   "against HF Qwen3MoeForCausalLM of the moe_model shape; shared_prompts "
+                   "against the same TP1 engine computing every row of group_batch whole",
            "results": results}
     out["model"] = {k: v for k, v in out["model"].items() if not k.startswith("_")}
     write_json(args.json, out)
