@@ -19,7 +19,8 @@ def run(args) -> int:
                          "to start, or leave it out for tp*pp*dp of the config")
     cfg = load_config(args.config, args.overrides)
     launched = launcher_world_size()
-    if launched is not None and cfg.train.job == "rl" and cfg.reward.name == REWARD_MODEL:
+    rank_loop = launched is not None or cfg.rollout.in_trainer  # not the dataflow graph
+    if rank_loop and cfg.train.job == "rl" and cfg.reward.name == REWARD_MODEL:
         raise UsageError(ON_RANK_LOOP)
     if launched is not None and args.nproc not in (None, launched):
         raise UsageError(f"--nproc {args.nproc} conflicts with the launcher's world size {launched}; "
@@ -45,7 +46,7 @@ def run(args) -> int:
         raise UsageError(f"train.schedule={cfg.train.schedule} runs on the dataflow runtime, not on "
                          "torchrun/srun ranks: run mcore-rl train without a launcher, or "
                          "mcore-rl launch slurm CONFIG --ray")
-    if launched is None and cfg.train.job == "rl":
+    if not rank_loop and cfg.train.job == "rl":
         from mcore_rl.cli.train_graph import run_graph
 
         return run_graph(cfg)

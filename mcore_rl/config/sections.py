@@ -100,6 +100,12 @@ class RolloutConfig:
     fastest on CPU for tiny models)."""
     placement: Literal["colocated", "separate"] = "colocated"
     """colocated: engine and trainer time-share the same devices; separate: own devices."""
+    in_trainer: bool = False
+    """The engine lives in the trainer's first rank (verl's hybrid engine): one process, so
+    the weight sync is a copy in memory and a batch never travels between controllers.
+    ``mcore-rl train`` then runs the synchronous loop on local ranks, as under torchrun,
+    instead of the dataflow graph (``train.schedule: sync``, one replica, no reward-model
+    controller). Worth it where those hand-offs weigh: tiny models, few cores."""
     engine_tp: int = 1
     """Tensor-parallel size of each engine replica."""
     replicas: int = 1

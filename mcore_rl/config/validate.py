@@ -193,6 +193,14 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
         raise ConfigError(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}; the "
                           "decay ends at min_lr: lower it")
     t = cfg.train
+    if r.in_trainer and t.schedule != "sync":
+        raise ConfigError(f"rollout.in_trainer runs the synchronous loop with the engine in the "
+                          f"trainer's process; train.schedule={t.schedule} overlaps them on the "
+                          "dataflow graph: set rollout.in_trainer=false or train.schedule=sync")
+    if r.in_trainer and r.replicas > 1:
+        raise ConfigError(f"rollout.in_trainer holds one engine, in the trainer's first rank; "
+                          f"rollout.replicas={r.replicas} run as controllers of the dataflow graph: "
+                          "set rollout.in_trainer=false or rollout.replicas=1")
     if r.replicas > 1 and r.placement != "separate":
         raise ConfigError(f"rollout.replicas={r.replicas} runs each engine on cores of its own, "
                           f"which rollout.placement={r.placement} (one engine taking turns with "

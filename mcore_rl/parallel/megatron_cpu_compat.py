@@ -43,6 +43,7 @@ one of those targets changes, so an upgrade is a conscious step.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -151,6 +152,21 @@ class MegatronCudaToCpuMode(TorchFunctionMode):
 
 
 _ALL_GATHER = torch.distributed.all_gather
+
+
+@contextlib.contextmanager
+def suspended():
+    """This thread's torch calls without the mode, inside the block: the mode costs a Python
+    call per torch operation, which code that is not Megatron's (the rollout engine when it
+    runs in a trainer rank, building a rollout batch) has no use for. A no-op where the mode
+    is not the innermost one (or not entered at all)."""
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    if not isinstance(_get_current_function_mode(), MegatronCudaToCpuMode):
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
 
 
 def _called_through_torch_from_megatron() -> bool:

@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 REWARD_MODEL = "reward_model"
 
 ON_RANK_LOOP = ("reward.name=reward_model scores with a worker group of its own, which the "
-                "torchrun/srun rank loop does not start: run mcore-rl train CONFIG without a "
-                "launcher, or mcore-rl launch slurm CONFIG --ray")
+                "rank loop (torchrun/srun, or rollout.in_trainer) does not start: run mcore-rl "
+                "train CONFIG without a launcher and rollout.in_trainer=false, or mcore-rl "
+                "launch slurm CONFIG --ray")
 
 IN_PROCESS = ("reward 'reward_model' scores with a worker group of its own, a controller of "
               "mcore-rl train's RL graph (train.job: rl, run without a launcher); it cannot "

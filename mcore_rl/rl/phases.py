@@ -19,6 +19,7 @@ from mcore_rl.algos.objective import actor_loss_fn, critic_loss_fn
 from mcore_rl.data.batch import Batch
 from mcore_rl.engines import sampling_from_config
 from mcore_rl.errors import NonFiniteError
+from mcore_rl.parallel import megatron_cpu_compat
 
 
 def request_seed(seed: int, step: int, prompt: int, round: int = 0) -> int:
@@ -115,8 +116,9 @@ def generate(state, records, *, greedy: bool = False, n: int | None = None,
     encoded = encode_prompts(state.tokenizer, state.cfg, records)  # every rank: same checks
     batch = None
     if state.is_controller:
-        batch = sample_batch(state.rollout, state.tokenizer, state.cfg, encoded, step=step,
-                             greedy=greedy, n=n, round=round)
+        with megatron_cpu_compat.suspended():  # an engine in this process is not Megatron
+            batch = sample_batch(state.rollout, state.tokenizer, state.cfg, encoded, step=step,
+                                 greedy=greedy, n=n, round=round)
     return mark_truncated(state.cfg, state.ctx.broadcast_object(batch))
 
 

@@ -239,3 +239,15 @@ def test_config_show_rejects_the_same_inputs(argv, message, capsys, no_rank_star
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_an_engine_in_the_trainer_runs_the_rank_loop_not_the_graph(monkeypatch, tmp_path):
+    started = []
+    monkeypatch.setattr("mcore_rl.parallel.local_launch.run_ranks",
+                        lambda *args, **kwargs: started.append("ranks"))
+    monkeypatch.setattr("mcore_rl.cli.train_graph.run_graph",
+                        lambda *args, **kwargs: started.append("graph") or 0)
+    quick = str(REPO / "configs" / "quickstart.yaml")
+    assert main(["train", quick, f"logging.dir={tmp_path}/a", "rollout.in_trainer=true"]) == 0
+    assert main(["train", quick, f"logging.dir={tmp_path}/b"]) == 0
+    assert started == ["ranks", "graph"]

@@ -149,3 +149,19 @@ def test_dynamic_sampling_needs_groups_to_compare(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check(["algorithm.dynamic_sampling=true"] + overrides)
     check(["algorithm.dynamic_sampling=true"])  # the defaults are fine
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.in_trainer=true", "train.schedule=one_step_off", "train.max_staleness=1"],
+     r"train.schedule=one_step_off overlaps them on the dataflow graph: set "
+     r"rollout.in_trainer=false or train.schedule=sync"),
+    (["rollout.in_trainer=true", "rollout.replicas=2", "rollout.placement=separate",
+      "train.schedule=async", "train.max_staleness=1"], r"train.schedule=async overlaps"),
+    (["rollout.in_trainer=true", "rollout.replicas=2", "rollout.placement=separate"],
+     r"rollout.replicas=2 run as controllers of the dataflow graph: set "
+     r"rollout.in_trainer=false or rollout.replicas=1"),
+])
+def test_an_engine_in_the_trainer_runs_the_sync_loop_with_one_replica(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check(overrides)
+    check(["rollout.in_trainer=true"])

@@ -47,6 +47,17 @@ def test_other_libraries_still_see_plain_torch_behaviour():
         _run_as("vllm.fake", "result = torch.cuda.current_device()")
 
 
+def test_suspended_leaves_torch_calls_alone_for_the_block_only():
+    code = "result = torch.zeros(2, device='cuda').device.type"
+    with compat.suspended():  # a Megatron caller is not redirected: no mode in the block
+        with pytest.raises((RuntimeError, AssertionError)):
+            _run_as("megatron.core.fake", code)
+        with compat.suspended():  # nested: the mode is already out of the way
+            with pytest.raises((RuntimeError, AssertionError)):
+                _run_as("megatron.core.fake", code)
+    assert _run_as("megatron.core.fake", code) == "cpu"  # and back after it
+
+
 def test_megatron_rng_tracker_forks_cpu_generator_states():
     from megatron.core.tensor_parallel import random as mrandom
 

@@ -168,11 +168,17 @@ def test_the_rank_loop_refuses_the_reward_model_in_one_line(tmp_path, capsys, mo
     monkeypatch.setenv("RANK", "0")
     assert main(["train", QUICK, "reward.name=reward_model", f"logging.dir={tmp_path}/run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "torchrun/srun rank loop does not start" in err[0], err
+    assert len(err) == 1 and "rank loop (torchrun/srun, or rollout.in_trainer) does not start" \
+        in err[0], err
     assert "mcore-rl launch slurm CONFIG --ray" in err[0]
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("RANK")
+    # the engine in the trainer's process: the same rank loop, without a launcher
+    assert main(["train", QUICK, "reward.name=reward_model", "rollout.in_trainer=true",
+                 f"logging.dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rollout.in_trainer=false" in err[0], err
     assert main(["launch", "slurm", QUICK, "--procs-per-node", "1", "--dry-run",
                  "reward.name=reward_model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "torchrun/srun rank loop does not start" in err[0], err
+    assert len(err) == 1 and "rank loop (torchrun/srun, or rollout.in_trainer)" in err[0], err
