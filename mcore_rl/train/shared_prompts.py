@@ -18,9 +18,10 @@ continuations instead of n whole rows. The quick start's batch (16 prompts of 5 
 samples each, of 4 tokens in the benchmark) goes from 1,152 tokens to 592.
 
 How long a shared row may get: with an explicit mask the attention costs the row's length
-squared, not the sum of its rows' squares. A row takes one more continuation while that
-lowers the estimated cost (tokens through the layers plus attention pairs, weighed by the
-hidden size), and stays within `MAX_ROW_TOKENS`.
+squared (every pair: a masked kernel skips none), not half the sum of its rows' squares. A
+row takes one more continuation while that lowers the estimated cost (tokens through the
+layers plus attention pairs, weighed by the hidden size), and stays within
+`MAX_ROW_TOKENS`; a micro-batch whose layout would cost more than its whole rows keeps them.
 """
 from __future__ import annotations
 
@@ -67,10 +68,12 @@ def prompt_lengths(mb: Batch) -> torch.Tensor:
     return first
 
 
-def _row_cost(length: int, hidden_size: int) -> float:
+def _row_cost(length: int, hidden_size: int, masked: bool = True) -> float:
     """Estimated cost of a row of ``length`` tokens, in attention pairs: each token's matrix
-    products (~24 H^2 FLOPs, forward and backward) weigh as much as 6 H pairs (~4 H each)."""
-    return length * 6.0 * hidden_size + length * length
+    products (~24 H^2 FLOPs, forward and backward) weigh as much as 6 H pairs (~4 H each).
+    Under an explicit mask the kernel computes every pair; causal, it skips the half above
+    the diagonal."""
+    return length * 6.0 * hidden_size + length * length / (1 if masked else 2)
 
 
 def _groups(ids: list[list[int]], prompt_lens: list[int]) -> list[list[int]]:
@@ -124,7 +127,8 @@ def share_prompts(mb: Batch, hidden_size: int, multiple_of: int = 1) -> SharedLa
     lengths = [p + sum(lens[i] - p for i in members) for p, members in rows]
     S = -(-max(lengths) // multiple_of) * multiple_of
     R = len(rows)
-    if R * _row_cost(S, hidden_size) >= b * _row_cost(-(-T // multiple_of) * multiple_of, hidden_size):
+    whole = -(-T // multiple_of) * multiple_of
+    if R * _row_cost(S, hidden_size) >= b * _row_cost(whole, hidden_size, masked=False):
         return None  # padded to its longest shared row, the layout would cost more
     tokens, positions, segments = [], [], []  # per shared row
     index = [[0] * T for _ in range(b)]  # padding: the shared row's first position (never read)
