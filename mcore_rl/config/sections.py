@@ -521,9 +521,10 @@ class TrainConfig:
     share_prompts: bool = True
     """The trainer computes a prompt once for all its samples in a micro-batch (a prompt's n
     rows become one row: the prompt, then each sample's response, under a mask that keeps
-    the responses apart; `mcore_rl.train.shared_prompts`). The same log-probs, values and
-    gradients up to round-off, for a fraction of the compute when prompts are long against
-    responses. Dense models on the local layer spec; others run every row whole."""
+    the responses apart; `mcore_rl.train.shared_prompts`); so do the fine-tuning jobs for the
+    two completions of a DPO pair. The same log-probs, values and gradients up to round-off,
+    for a fraction of the compute when prompts are long against responses. Dense models on
+    the local layer spec; others run every row whole."""
     schedule: Literal["sync", "one_step_off", "async"] = "sync"
     """How generation and training overlap (the RL graph of ``mcore-rl train``): sync: the
     next step's rollout starts once the update and weight sync of this one are done;

@@ -120,12 +120,14 @@ def build_finetune_run(cfg: RLConfig, ctx: ParallelContext) -> FinetuneRun:
     built = build_model(model_dir, ctx, role=job.role, dtype=m.dtype, recompute=m.recompute_activations,
                         seed=cfg.train.seed, moe=moe)
     vocab = built.spec.arch.vocab_size
+    share = cfg.train.share_prompts  # a DPO pair's two completions share their prompt
     model = build_engine(built.chunks, ctx, kind=job.engine_kind, vocab_size=vocab,
-                         optim=cfg.optimizer, total_steps=max(1, cfg.train.steps))
+                         optim=cfg.optimizer, total_steps=max(1, cfg.train.steps),
+                         share_prompts=share)
     reference = None
     if job.needs_reference:
         ref = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe)
-        reference = build_engine(ref.chunks, ctx, vocab_size=vocab)
+        reference = build_engine(ref.chunks, ctx, vocab_size=vocab, share_prompts=share)
     log = MetricsLog(cfg.logging.dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                      progress_bar=cfg.logging.progress_bar, enabled=ctx.is_controller)
     scorer = None
