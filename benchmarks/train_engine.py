@@ -98,10 +98,16 @@ def _engine_rates(rank, world_size, size, tp, pp, ep=0):
     engine = build_engine(build_gpt_chunks(arch, ctx), ctx, vocab_size=arch.vocab_size,
                           optim=OptimizerConfig(lr=1e-5, micro_batch_tokens=budget))
     batch = make_batch(arch, spec["batch"], spec["min_len"], spec["max_len"])
-    tokens = int(batch.seq_lens.sum())
-    fwd = best_time(lambda: engine.forward(batch), spec["repeats"])
-    step = best_time(lambda: engine.train_batch(batch, loss_fn), spec["repeats"])
+    rates = _timed_rates(engine, batch, spec["repeats"])
     destroy_parallel()
+    return rates
+
+
+def _timed_rates(engine, batch, repeats: int) -> tuple[float, float]:
+    """Real tokens/s of ``engine``'s forward and of one train step over ``batch``."""
+    tokens = int(batch.seq_lens.sum())
+    fwd = best_time(lambda: engine.forward(batch), repeats)
+    step = best_time(lambda: engine.train_batch(batch, loss_fn), repeats)
     return tokens / fwd, tokens / step
 
 
@@ -119,12 +125,9 @@ def _shared_prompt_rates(rank, world_size, size, share: bool):
                           optim=OptimizerConfig(lr=1e-5), share_prompts=share)
     if engine.shares_prompts != share:
         raise RuntimeError("the engine does not share prompts on this model")
-    batch = make_group_batch(spec["arch"], **GROUPS[size])
-    tokens = int(batch.seq_lens.sum())
-    fwd = best_time(lambda: engine.forward(batch), spec["repeats"])
-    step = best_time(lambda: engine.train_batch(batch, loss_fn), spec["repeats"])
+    rates = _timed_rates(engine, make_group_batch(spec["arch"], **GROUPS[size]), spec["repeats"])
     destroy_parallel()
-    return tokens / fwd, tokens / step
+    return rates
 
 
 def _hf_rates(size: str, moe: bool = False) -> tuple[float, float]:

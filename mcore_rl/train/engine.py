@@ -155,25 +155,22 @@ class TrainEngine:
         few groups for the ranks and stages."""
         lens = batch.seq_lens
         multiple = self.ctx.pp if self.ctx.vpp else 1
-        if "pack_unit" in batch:
-            units = units_of(batch["pack_unit"], len(batch))
-        elif self.shares_prompts and "group_id" in batch:
-            units = units_of(batch["group_id"], len(batch))  # a prompt's samples stay together
-        else:
-            units = None
 
         def plan_with(units):
             mine = split_for_data_parallel(lens, self.ctx.dp, units)[self.ctx.dp_rank]
             return pack_micro_batches(lens, mine, self.micro_batch_tokens, multiple_of=multiple,
                                       units=units)
 
-        if units is not None and "pack_unit" not in batch:
-            try:
-                plan = plan_with(units)
+        plan = None
+        if "pack_unit" in batch:
+            plan = plan_with(units_of(batch["pack_unit"], len(batch)))
+        elif self.shares_prompts and "group_id" in batch:
+            try:  # a prompt's samples stay together
+                plan = plan_with(units_of(batch["group_id"], len(batch)))
             except ValueError:  # too few prompts for the ranks or stages: split them after all
-                plan = plan_with(None)
-        else:
-            plan = plan_with(units)
+                pass
+        if plan is None:
+            plan = plan_with(None)
         if self._experts_across_ranks:
             # Every micro-batch's expert layers exchange tokens with the other EP ranks, so
             # all ranks run as many micro-batches (the extra ones are all padding, no loss).

@@ -19,7 +19,8 @@ import torch
 from mcore_rl.data.batch import Batch
 
 
-def _unwrap(chunk):
+def unwrap(chunk):
+    """The model inside its wrappers (DDP, Float16Module), or the chunk itself."""
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
@@ -28,7 +29,7 @@ def _unwrap(chunk):
 def defer_output_layer(chunks: list) -> torch.Tensor | None:
     """Make the model's output layer return its input; the output weight it would have used
     (None on ranks without the output layer, i.e. not the last pipeline stage)."""
-    model = _unwrap(chunks[-1])
+    model = unwrap(chunks[-1])
     if not getattr(model, "post_process", False):
         return None
     layer = model.output_layer

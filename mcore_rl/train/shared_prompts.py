@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.data.batch import Batch
+from mcore_rl.train.fused_head import unwrap
 
 MAX_ROW_TOKENS = 4096
 """Longest shared row (its attention mask and scores grow with the square of it)."""
@@ -169,12 +170,6 @@ def unshare(output: torch.Tensor, layout: SharedLayout) -> torch.Tensor:
     return picked.reshape(b, T, *output.shape[2:])
 
 
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def supports_shared_prompts(chunks: list, ctx) -> bool:
     """Whether a model can run shared layouts: a dense GPT (a mixture of experts would route
     and balance the prompt's tokens once instead of n times) whose attention is the local
@@ -189,7 +184,7 @@ def supports_shared_prompts(chunks: list, ctx) -> bool:
     if ctx.vpp and megatron_cpu_compat.is_applied():
         return False
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         config = model.config
         if getattr(config, "num_moe_experts", None) or getattr(config, "context_parallel_size", 1) > 1:
             return False
@@ -207,7 +202,7 @@ def supports_shared_prompts(chunks: list, ctx) -> bool:
 def token_positions(chunk, position_ids: torch.Tensor):
     """While a chunk runs a shared layout, its rotary embedding gives each token the angle of
     its own position (``position_ids`` [R, S]) instead of its index in the shared row."""
-    rotary = getattr(_unwrap(chunk), "rotary_pos_emb", None)
+    rotary = getattr(unwrap(chunk), "rotary_pos_emb", None)
     if rotary is None:
         yield
         return
