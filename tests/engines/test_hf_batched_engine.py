@@ -47,7 +47,13 @@ def test_one_prompt_gives_exactly_the_hf_engines_samples(batched, one_by_one, op
         ours = batched.generate([prompt], sampling)
         theirs = one_by_one.generate([prompt], sampling)
         assert _tokens(ours) == _tokens(theirs)
-        assert [(s.logprobs, s.finish_reason) for s in ours] == [(s.logprobs, s.finish_reason) for s in theirs]
+        assert [s.finish_reason for s in ours] == [s.finish_reason for s in theirs]
+        # The same log-probs up to fp32 round-off from batch shape: the batched engine runs the
+        # prompt's n rows through its own left-padded, last-position forward; the one-prompt
+        # engine runs transformers' generate (one row when greedy). Other kernel shapes sum in
+        # another order (on AVX2 CPUs ~2e-6 apart); a real difference is orders of magnitude larger.
+        for a, b in zip(ours, theirs):
+            assert a.logprobs == pytest.approx(b.logprobs, rel=1e-5, abs=1e-5), (a.prompt_index, a.sample_index)
 
 
 def test_padded_greedy_batch_matches_the_hf_engine_prompt_by_prompt(batched, one_by_one):
