@@ -368,6 +368,14 @@ class RewardConfig:
     code_memory_mb: int = 512
     """``code`` reward: address-space limit of the program, in MiB (beyond it allocations
     fail: a program that dies of it is a failure)."""
+    sandbox: Literal["namespaces", "remote"] = "namespaces"
+    """``code`` reward: where programs run. namespaces: on this machine, in new Linux user,
+    mount, PID, network and IPC namespaces (needs user namespaces); remote: through the
+    HTTP sandbox service at ``sandbox_url`` (protocol: `mcore_rl.rewards.sandbox.protocol`).
+    Where the chosen one cannot run a program the reward refuses to start."""
+    sandbox_url: str = ""
+    """``code`` reward with sandbox=remote: the service's address, http(s)://host:port/path
+    (e.g. of ``python -m mcore_rl.rewards.sandbox.service``)."""
 
 
 @dataclass

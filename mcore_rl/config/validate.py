@@ -228,8 +228,18 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
             raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "
                               f"old, but train.max_staleness={t.max_staleness} allows none; set "
                               "train.max_staleness=1 (or more)")
+    _validate_sandbox(cfg)
     validate_paths(cfg)
     return cfg
+
+
+def _validate_sandbox(cfg: RLConfig) -> None:
+    """reward.sandbox=remote needs the service's address."""
+    rw = cfg.reward
+    if rw.sandbox == "remote" and not rw.sandbox_url.startswith(("http://", "https://")):
+        raise ConfigError(f"reward.sandbox=remote needs reward.sandbox_url, the http(s):// address "
+                          f"of a sandbox service, got {rw.sandbox_url!r}; set it, or use "
+                          "reward.sandbox=namespaces")
 
 
 FINETUNE_JOB_NAMES = ("sft", "rm", "dpo", "kto", "online_dpo")

@@ -16,74 +16,57 @@ Score = tests passed / tests. A run that does not end normally is no partial sco
 that does not compile, raises or exits at its top level, or is killed (memory, CPU) is a
 failure (`RewardFailure`, ``reward/failures``); both score ``reward.failure_score``.
 
-Sandbox: a fresh ``python -I`` in a temporary directory, in a new network namespace
-(``unshare -rn``, or ``unshare -n`` as root: no network, its own loopback), with rlimits
-set in the child (address space ``reward.code_memory_mb``, CPU time, file size, no core
-dumps), killed with its process group at the time limit. The file system is not isolated,
-and a program written to game the in-process code tests could; stdin/stdout tests are
-compared outside the sandbox. Where no network namespace can be made, the reward refuses
-to start, with one line, when the scorer is built.
+Sandbox (``reward.sandbox``, `mcore_rl.rewards.sandbox`): by default each run is a fresh
+process tree in new Linux user, mount, PID, network, IPC and UTS namespaces. The program
+sees a read-only root holding only the standard library and the system libraries, a few
+devices, a fresh /proc of its own PID namespace and a private writable /tmp (a 64 MiB
+tmpfs, its working directory); nothing of the host's home (but the path to an interpreter
+installed there), /tmp, /dev/shm, the trainer's directories or Unix sockets, and no network
+(its own loopback only). It runs as uid/gid 65534 with no capabilities and no_new_privs, an
+allow-listed environment and no inherited file descriptors, under rlimits: address space
+``reward.code_memory_mb``, CPU time, file size, 64 processes and threads, no core dumps; at
+the time limit the whole tree is killed. It imports the standard library only (no
+site-packages) and cannot start other programs (there are none in its view).
+``reward.sandbox: remote`` sends each run to an HTTP sandbox service instead
+(``reward.sandbox_url``; protocol in `mcore_rl.rewards.sandbox.protocol`), for machines
+that do not permit user namespaces. Measured with ``mcore-rl bench sandbox``
+on a loaded 2-core machine, a run costs about 35 ms (median), 1.05 to 1.4 times, typically
+1.1 times, the 30-35 ms of the former sandbox (``unshare -rn`` and rlimits, with the file
+system not isolated).
+
+Code tests run in the program's own interpreter after it: they are compiled before it runs
+and are never where it can read them, and the results leave the process after the last test
+only, behind a nonce, then the process ends at once. A program that exits before its tests,
+forges a results file or descriptor, hooks ``atexit`` or replaces what the harness uses
+(AssertionError, compile, exec, json.dumps) gains nothing; one crafted to tamper with the
+interpreter it shares with the tests (e.g. to find the nonce) could still forge them,
+whereas stdin/stdout tests are compared outside the sandbox.
+
+Where the configured sandbox cannot run a program, the reward refuses to start, with one
+line, when the scorer is built: programs never run unsandboxed.
 """
 from __future__ import annotations
 
-import json
-import math
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-from dataclasses import dataclass
 from functools import lru_cache, partial
-from pathlib import Path
 
-from mcore_rl.errors import UsageError
 from mcore_rl.rewards.registry import REWARDS, RewardFailure, RewardTimeout
+from mcore_rl.rewards.sandbox import Run, RunResult, SandboxError, SandboxLimits, build_sandbox
 
-SANDBOX_PREFIXES: tuple[tuple[str, ...], ...] = (("unshare", "-rn"), ("unshare", "-n"))
-"""Commands tried in order to run the program in a new network namespace."""
-HARNESS = Path(__file__).with_name("sandbox_harness.py")
 _FENCED = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
-@dataclass(frozen=True)
-class SandboxLimits:
-    """How a program runs: time and memory limits, and the command prefix that gives it a
-    network namespace of its own."""
-
-    time_limit_s: float = 5.0
-    memory_mb: int = 512
-    prefix: tuple[str, ...] = ("unshare", "-rn")
+def prepare(fn, cfg) -> partial:
+    """At scorer build: the configured sandbox, with the config's limits, once it has run a
+    test program (a one-line `UsageError` if it cannot)."""
+    limits = SandboxLimits(cfg.code_time_limit_s, cfg.code_memory_mb)
+    return partial(fn, sandbox=build_sandbox(cfg.sandbox, cfg.sandbox_url, limits))
 
 
 @lru_cache(maxsize=None)
-def sandbox_prefix(candidates: tuple[tuple[str, ...], ...] = SANDBOX_PREFIXES) -> tuple[str, ...]:
-    """The first of ``candidates`` that can start a process here; one-line `UsageError`
-    if none can."""
-    problem = "no command to try"
-    for prefix in candidates:
-        try:
-            done = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            problem = f"{' '.join(prefix)}: {err}"
-            continue
-        if done.returncode == 0:
-            return prefix
-        problem = f"{' '.join(prefix)}: " + (done.stderr.strip().splitlines() or
-                                             [f"exit status {done.returncode}"])[-1]
-    raise UsageError(f"reward 'code' runs programs without network in a new network namespace, "
-                     f"which this machine does not permit ({problem}); allow unprivileged user "
-                     "namespaces (sysctl kernel.unprivileged_userns_clone=1) or run as root, or "
-                     "choose another reward")
-
-
-def prepare(fn, cfg) -> partial:
-    """At scorer build: check the sandbox once and bind the config's limits."""
-    limits = SandboxLimits(cfg.code_time_limit_s, cfg.code_memory_mb,
-                           sandbox_prefix(SANDBOX_PREFIXES))
-    return partial(fn, limits=limits)
+def default_sandbox():
+    """The namespace sandbox with the default limits (a call without a scorer)."""
+    return build_sandbox("namespaces")
 
 
 def extract_program(response: str) -> str:
@@ -113,65 +96,35 @@ def _normalized(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
 
 
-def run_program(directory: Path, mode: str, limits: SandboxLimits, stdin: str = "") -> str:
-    """One sandboxed run of ``directory/solution.py``; its stdout. Raises `RewardTimeout`
-    or `RewardFailure` when it does not end normally."""
-    (directory / "stdin.txt").write_text(stdin)
-    cmd = [*limits.prefix, sys.executable, "-I", str(HARNESS), mode,
-           str(limits.memory_mb << 20), str(math.ceil(limits.time_limit_s) + 1)]
-    with open(directory / "stdin.txt") as fin, open(directory / "stdout.txt", "w+") as fout, \
-            open(directory / "stderr.txt", "w+") as ferr:
-        proc = subprocess.Popen(cmd, cwd=directory, stdin=fin, stdout=fout, stderr=ferr,
-                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                                     "LANG": "C.UTF-8"},
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=limits.time_limit_s)
-        except subprocess.TimeoutExpired:
-            raise RewardTimeout(f"the program ran past {limits.time_limit_s:g} s") from None
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the program and anything it started
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        if code != 0:
-            ferr.seek(0)
-            last = (ferr.read()[-2000:].strip().splitlines() or [""])[-1][:200]
-            how = f"signal {-code}" if code < 0 else f"exit status {code}"
-            raise RewardFailure(f"the program ended with {how}" + (f": {last}" if last else ""))
-        fout.seek(0)
-        return fout.read()
+def _ended_normally(result: RunResult) -> RunResult:
+    if result.status == "timeout":
+        raise RewardTimeout(result.message)
+    if result.status != "ok":
+        raise RewardFailure(result.message)
+    return result
 
 
 def run_tests(program: str, code_tests: list[str], io_tests: list[tuple[str, str]],
-              limits: SandboxLimits) -> int:
+              sandbox) -> int:
     """How many tests the program passes (raises when a run does not end normally)."""
-    directory = Path(tempfile.mkdtemp(prefix="mcore-rl-code-"))
-    try:
-        (directory / "solution.py").write_text(program)
-        passed = 0
-        if code_tests:
-            (directory / "tests.json").write_text(json.dumps(code_tests))
-            run_program(directory, "tests", limits)
-            results = directory / "results.json"
-            if not results.exists():
-                raise RewardFailure("the program exited before its tests ran")
-            passed += sum(json.loads(results.read_text()))
-        for stdin, expected in io_tests:
-            output = run_program(directory, "main", limits, stdin)
-            passed += _normalized(output) == _normalized(expected)
-        return passed
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    passed = 0
+    if code_tests:
+        result = _ended_normally(sandbox.run(Run(program, "tests", tuple(code_tests))))
+        if result.results is None or len(result.results) != len(code_tests):
+            raise SandboxError(f"the sandbox reported {result.results!r:.60} for "
+                               f"{len(code_tests)} tests")
+        passed += sum(result.results)
+    for stdin, expected in io_tests:
+        result = _ended_normally(sandbox.run(Run(program, "main", stdin=stdin)))
+        passed += _normalized(result.stdout) == _normalized(expected)
+    return passed
 
 
 @REWARDS.register("code", prepare=prepare)
-def code_reward(prompt: str, response: str, meta: dict, *, limits: SandboxLimits | None = None) -> float:
+def code_reward(prompt: str, response: str, meta: dict, *, sandbox=None) -> float:
     """Fraction of ``meta["tests"]`` the response's Python program passes, sandboxed (see
     the module docstring for the test format and what fails)."""
     code_tests, io_tests = _tests_of(meta)
-    if limits is None:
-        limits = SandboxLimits(prefix=sandbox_prefix(SANDBOX_PREFIXES))
     program = extract_program(response)
-    return run_tests(program, code_tests, io_tests, limits) / (len(code_tests) + len(io_tests))
+    passed = run_tests(program, code_tests, io_tests, sandbox or default_sandbox())
+    return passed / (len(code_tests) + len(io_tests))

@@ -1,14 +1,17 @@
 """The ``code`` reward: fraction of tests passed, in a sandbox with a time limit, a memory
-limit and no network; refused where no network namespace can be made."""
+limit and no network; refused where no namespace can be made. (What the sandbox keeps a
+hostile program from doing: test_code_sandbox.py.)"""
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 from mcore_rl.config.sections import RewardConfig
-from mcore_rl.errors import UsageError
-from mcore_rl.rewards import RewardError, RewardScorer, code_execution
-from mcore_rl.rewards.code_execution import SandboxLimits, code_reward, extract_program
+from mcore_rl.rewards import RewardError, RewardScorer
+from mcore_rl.rewards.code_execution import code_reward, extract_program
+from tests.rewards.unsandboxed import Unsandboxed
 
 ADD_TESTS = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 5) == 5"]}
 
@@ -70,7 +73,7 @@ def test_the_program_has_no_network_even_to_a_port_open_on_this_machine():
                      f"        return True\n    except OSError:\n        return False")
     meta = {"tests": ["assert reach()"]}
     try:
-        unsandboxed = code_reward("", program, meta, limits=SandboxLimits(prefix=()))
+        unsandboxed = code_reward("", program, meta, sandbox=Unsandboxed())
         with code_scorer() as s:
             scores, _ = s.score([""], [program], [meta])
     finally:
@@ -79,13 +82,34 @@ def test_the_program_has_no_network_even_to_a_port_open_on_this_machine():
     assert scores.tolist() == [0.0]
 
 
-@pytest.mark.parametrize("prefixes", [(("false",),), (("/nonexistent/unshare", "-rn"),)])
-def test_the_reward_refuses_to_start_where_no_network_namespace_can_be_made(monkeypatch, prefixes):
-    monkeypatch.setattr(code_execution, "SANDBOX_PREFIXES", prefixes)
-    with pytest.raises(UsageError, match=r"^reward 'code' runs programs without network in a new "
-                                         r"network namespace, which this machine does not permit") as err:
-        RewardScorer.from_config(RewardConfig(name="code"))
-    assert "\n" not in str(err.value)
+REFUSED = r"""
+import sys
+from mcore_rl.config.sections import RewardConfig
+from mcore_rl.errors import UsageError
+from mcore_rl.rewards import RewardScorer
+try:
+    RewardScorer.from_config(RewardConfig(name="code"))
+except UsageError as err:
+    sys.exit(str(err))
+"""
+
+
+def test_the_reward_refuses_to_start_where_no_user_namespace_can_be_made():
+    # a user namespace of its own whose limit of nested user namespaces is 0
+    forbid = ('echo 0 > /proc/sys/user/max_user_namespaces || exit 99\n'
+              'exec "$0" -c "$1"')
+    try:
+        done = subprocess.run(["unshare", "-r", "sh", "-c", forbid, sys.executable, REFUSED],
+                              capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("no unshare command")
+    if done.returncode == 99 or done.stderr.startswith("unshare:"):
+        pytest.skip(f"cannot make the test's own namespace: {done.stderr.strip()}")
+    assert done.returncode == 1
+    assert done.stderr.startswith("reward 'code' runs programs in new Linux namespaces (user, "
+                                  "mount, PID, network, IPC), which this machine does not permit "
+                                  "(unshare: No space left on device (the user.max_user_namespaces")
+    assert "reward.sandbox=remote" in done.stderr and done.stderr.count("\n") == 1
 
 
 def test_tests_in_the_wrong_format_are_a_bug_naming_the_sample():

@@ -1,0 +1,178 @@
+"""One sandboxed run of a program in Linux namespaces: the process tree that
+`mcore_rl.rewards.sandbox.namespaces` starts as ``python -I -S namespace_init.py FD`` with an
+allow-listed environment and no open file descriptors but pipes to its parent: 0-2 and FD.
+
+1. **This process** sets a parent-death signal, unshares user, mount, PID, network, IPC and
+   UTS namespaces, writes ``R`` on stdout and reads the job (JSON) from stdin, which its
+   parent sends once it has written this process's uid and gid maps
+   (`namespaces.write_id_maps`). It forks the init of the new PID namespace, writes the
+   init's pid on FD (at the time limit the parent kills the init, which takes the whole
+   namespace down, and this process still reaps it) and waits for it.
+2. **The init** (PID 1) builds the file system the program sees and pivots into it
+   (`root_view`), makes itself non-dumpable (the program cannot read its memory, fds or
+   environment) and forks the program's process.
+3. **The program's process** gets stdin, stdout, stderr and a results file as memfds at
+   fds 0-3, becomes uid/gid 65534 with no capabilities (the bounding set emptied too) and
+   no_new_privs, sets its rlimits (address space, CPU time, file size, processes, no core
+   dumps), tells the init its setup worked, closes every other descriptor and runs
+   `harness` in-process.
+4. The init reaps it, writes one JSON report on stdout (``exit``: status or -signal,
+   ``stdout``, ``stderr``: its tail, ``results``: the code tests' 1/0 or null) and exits; the
+   kernel then kills whatever the program left in the PID namespace.
+
+A setup failure ends with exit status `SETUP_FAILED` and one line on stderr. Standard
+library only.
+"""
+import json
+import os
+import resource
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I -S: siblings by path
+import harness  # noqa: E402
+import root_view  # noqa: E402
+import syscalls as sc  # noqa: E402
+
+del sys.path[0]  # the program's module path is the standard library's alone
+
+SANDBOX_ID = 65534
+"""The uid and gid the program runs as inside its user namespace (nobody/nogroup)."""
+SETUP_FAILED = 70
+NAMESPACES = (sc.CLONE_NEWUSER | sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWNET
+              | sc.CLONE_NEWIPC | sc.CLONE_NEWUTS)
+STDERR_TAIL = 2000
+_UNSHARE_HINTS = {1: "user namespaces are not permitted to this user",
+                  28: "the user.max_user_namespaces limit is reached or 0",
+                  22: "this kernel lacks one of the namespaces"}
+
+
+def describe(err: OSError) -> str:
+    """``what: reason`` (`syscalls` puts the call in strerror), with no errno prefix."""
+    return err.strerror if err.filename is None and err.strerror else str(err)
+
+
+def fail(message: str) -> None:
+    print(f"sandbox: {message}", file=sys.stderr, flush=True)
+    os._exit(SETUP_FAILED)
+
+
+def drop_privileges() -> None:
+    """Become `SANDBOX_ID` with no capabilities and no way to gain any."""
+    sc.drop_bounding_set()
+    if os.getuid() != SANDBOX_ID:  # the ids 0 and SANDBOX_ID are mapped (a root parent)
+        os.setgroups([])
+        os.setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
+        os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
+    sc.clear_capabilities()
+    sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
+
+
+def set_limits(job: dict) -> None:
+    for limit, value in ((resource.RLIMIT_AS, job["memory_bytes"]),
+                         (resource.RLIMIT_CPU, job["cpu_s"]),
+                         (resource.RLIMIT_FSIZE, job["file_bytes"]),
+                         (resource.RLIMIT_NPROC, job["processes"]),
+                         (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(limit, (value, value + 1 if limit == resource.RLIMIT_CPU else value))
+
+
+def run_program(job: dict, fds: tuple[int, int, int, int], nonce: str, setup_fd: int) -> None:
+    """The program's process (never returns). Whether its setup worked goes to the init on
+    ``setup_fd``, closed before the program runs (so the program cannot speak for it)."""
+    status = 1
+    try:
+        try:
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            drop_privileges()
+            set_limits(job)
+        except (OSError, ValueError) as err:
+            os.write(setup_fd, (describe(err) if isinstance(err, OSError) else str(err)).encode())
+            os._exit(SETUP_FAILED)
+        os.write(setup_fd, b"ok")
+        os.closerange(len(fds), 1 << 20)  # setup_fd too
+        status = harness.run(job["program"], job["mode"], job["tests"], 3, nonce)
+    finally:
+        os._exit(status)
+
+
+def _read(fd: int, limit: int | None = None) -> bytes:
+    size = os.lseek(fd, 0, os.SEEK_END)
+    start = 0 if limit is None else max(0, size - limit)
+    return os.pread(fd, size - start, start)
+
+
+def _results(raw: bytes, nonce: str, count: int) -> list[int] | None:
+    """The harness's results, if that is all the file holds (anything else: tampered)."""
+    head, _, body = raw.decode("utf-8", "replace").partition(" ")
+    try:
+        results = json.loads(body) if head == nonce else None
+    except ValueError:
+        return None
+    ok = isinstance(results, list) and len(results) == count and set(results) <= {0, 1}
+    return results if ok else None
+
+
+def init(job: dict) -> None:
+    """PID 1 of the sandbox (never returns)."""
+    sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # an init ignores what it does not handle
+    try:
+        root_view.build_and_enter({"solution.py": job["program"]}, job["workdir_mb"], SANDBOX_ID)
+        fds = tuple(os.memfd_create(name) for name in ("stdin", "stdout", "stderr", "results"))
+        os.write(fds[0], job["stdin"].encode())
+        os.lseek(fds[0], 0, os.SEEK_SET)
+        nonce = os.urandom(16).hex()
+        sc.prctl(sc.PR_SET_DUMPABLE, 0)
+        setup_r, setup_w = os.pipe()
+        child = os.fork()
+    except OSError as err:
+        fail(describe(err))
+    if child == 0:
+        run_program(job, fds, nonce, setup_w)
+    os.close(setup_w)
+    with os.fdopen(setup_r, "rb") as f:
+        setup = f.read().decode("utf-8", "replace")
+    while True:  # orphans of the program are reparented here: reap them too
+        pid, status = os.waitpid(-1, 0)
+        if pid == child:
+            break
+    if setup != "ok":
+        fail(f"the program's process could not be set up: {setup or 'it died'}")
+    report = {"exit": os.waitstatus_to_exitcode(status),
+              "stdout": _read(fds[1]).decode("utf-8", "replace"),
+              "stderr": _read(fds[2], STDERR_TAIL).decode("utf-8", "replace"),
+              "results": _results(_read(fds[3], 1 << 20), nonce, len(job["tests"]))}
+    sys.stdout.write(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main() -> None:
+    sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # a killed reward worker takes it along
+    try:
+        sc.unshare(NAMESPACES)
+    except OSError as err:
+        hint = _UNSHARE_HINTS.get(err.errno)
+        fail(describe(err) + (f" ({hint})" if hint else ""))
+    sys.stdout.write("R")
+    sys.stdout.flush()
+    job = json.load(sys.stdin)
+    with open("/proc/self/uid_map") as f:
+        if not f.read().strip():
+            fail("the user namespace got no uid map")
+    init_pid_fd = int(sys.argv[1])
+    pid = os.fork()
+    if pid == 0:
+        os.close(init_pid_fd)
+        init(job)
+    os.write(init_pid_fd, f"{pid}\n".encode())
+    os.close(init_pid_fd)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+if __name__ == "__main__":
+    main()
