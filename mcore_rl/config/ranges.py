@@ -109,6 +109,8 @@ RANGES: dict[str, Range] = {
     "reward.rm_tp": COUNT, "reward.rm_pp": COUNT, "reward.rm_dp": COUNT,
     "reward.async_slots": COUNT,
     "reward.timeout_s": Range(low=0, fix="0 turns the limit off"),
+    "reward.max_failure_fraction": Range(low=0, high=1, fix="0 stops at the first failed "
+                                                            "sample, 1 never stops"),
     "reward.code_time_limit_s": POSITIVE,
     "reward.code_memory_mb": Range(low=16, fix="the program's address space, e.g. 512"),
     "checkpoint.save_every": Range(low=0, fix="0 saves only at the end"),

@@ -359,9 +359,16 @@ class RewardConfig:
     in ``reward/timeouts``. A synchronous function with ``workers: 0`` is not interrupted.
     0: no limit."""
     failure_score: float = 0.0
-    """Score of a sample that timed out, whose worker process died (``reward/worker_deaths``)
-    or whose function reported a failure (`RewardFailure`, e.g. a program that crashed under
-    the ``code`` reward: ``reward/failures``)."""
+    """Score of a sample that timed out, whose worker process died (``reward/worker_deaths``),
+    whose function reported a failure (`RewardFailure`, e.g. a program that crashed under
+    the ``code`` reward: ``reward/failures``), raised anything else (``reward/errors``) or
+    returned something that is not a finite number (``reward/nonfinite``)."""
+    max_failure_fraction: float = 0.5
+    """Largest fraction of a scored batch (a step's, or with async schedules a prompt
+    group's) whose samples may fail by faults of one reward function (past ``timeout_s``,
+    worker died, raised, not a finite number; a reported `RewardFailure` does not count)
+    and still score ``failure_score``; past it the run stops with one line naming the
+    reward and the first fault. 0: the first fault stops the run; 1: never stops."""
     code_time_limit_s: float = 5.0
     """``code`` reward: wall-clock limit of one run of the program (one per stdin/stdout
     test, one for all the code tests); past it the sample counts as timed out."""

@@ -1,4 +1,5 @@
-"""What one reward call gave (`Outcome`): scores, a failure of the sample, or a bug.
+"""What one reward call gave (`Outcome`): scores, a failure the function reported for the
+response, or a fault of the reward itself.
 
 The same classification runs in this process, in the event loop (async functions) and in
 the worker processes (`mcore_rl.rewards.pool_worker`), so every path reports alike.
@@ -11,8 +12,9 @@ from typing import Any, Callable
 
 from mcore_rl.rewards.registry import RewardFailure, RewardTimeout, as_score, first_line, short_repr
 
-BUGS = ("raised", "invalid", "length")
-"""Kinds that are bugs of the function (scoring stops with a `RewardError`)."""
+FAULTS = ("overtime", "died", "raised", "invalid", "length")
+"""Kinds that are faults of the reward, not of the response: they count against
+``reward.max_failure_fraction`` (`RewardFailure` and `RewardTimeout` do not)."""
 
 
 @dataclass(frozen=True)
@@ -20,15 +22,30 @@ class Outcome:
     """One call's result.
 
     kind: ``ok`` (``value``: the score, or the list of scores of a batched call);
-    ``failure`` / ``timeout`` (the sample scores ``reward.failure_score``); ``died`` (the
-    worker process running it died); or a bug: ``raised`` (``message``: the exception),
-    ``invalid`` (``message``: the bad value, ``offset``: its place in a batched call),
-    ``length`` (a batched call returned the wrong number of scores)."""
+    ``failure`` / ``timeout``: the function raised `RewardFailure` / `RewardTimeout` (the
+    response cannot be scored); or one of `FAULTS`: ``overtime`` (the call ran past
+    ``reward.timeout_s``), ``died`` (the worker process running it died), ``raised``
+    (``message``: the exception), ``invalid`` (``message``: the first value that is not a
+    finite number, ``offset``: its place in a batched call, ``value``: a batched call's
+    scores, None where not a finite number), ``length`` (a batched call returned the wrong
+    number of scores). Every sample not scored scores ``reward.failure_score``."""
 
     kind: str
     value: Any = None
     message: str = ""
     offset: int = 0
+
+    def unscored(self, size: int) -> int:
+        """How many of the call's ``size`` samples it gave no score."""
+        if self.kind == "ok":
+            return 0
+        if isinstance(self.value, list):
+            return sum(v is None for v in self.value)
+        return size
+
+    def faults(self, size: int) -> int:
+        """How many of the call's ``size`` samples failed by a fault of the reward."""
+        return self.unscored(size) if self.kind in FAULTS else 0
 
 
 def raised(err: BaseException) -> Outcome:
@@ -51,12 +68,10 @@ def checked(value: Any, expect: int | None) -> Outcome:
         return Outcome("length", message=f"returned {short_repr(value)}, not a list of {expect} scores")
     if len(values) != expect:
         return Outcome("length", message=f"returned {len(values)} scores for {expect} responses")
-    scores = []
-    for j, v in enumerate(values):
-        score = as_score(v)
-        if score is None:
-            return Outcome("invalid", message=f"returned {short_repr(v)}", offset=j)
-        scores.append(score)
+    scores = [as_score(v) for v in values]
+    if None in scores:
+        j = scores.index(None)
+        return Outcome("invalid", scores, message=f"returned {short_repr(values[j])}", offset=j)
     return Outcome("ok", scores)
 
 
@@ -76,7 +91,8 @@ async def call_async(fn: Callable, args: tuple, timeout_s: float) -> Outcome:
             value = await fn(*args)
     except TimeoutError as err:
         if limit.expired():
-            return Outcome("timeout", message=f"took longer than {timeout_s:g} s")
+            return Outcome("overtime",
+                           message=f"took longer than {timeout_s:g} s (reward.timeout_s)")
         return raised(err)
     except Exception as err:  # noqa: BLE001 - classified and reported with its sample
         return raised(err)

@@ -3,7 +3,7 @@ time each, with a deadline per task.
 
 Unlike `concurrent.futures.ProcessPoolExecutor` (where one dead worker breaks every pending
 future), a worker that dies (SIGKILL, the OOM killer) or runs past its task's deadline
-(it is killed) costs only its own task: its outcome is ``died`` or ``timeout``, the worker
+(it is killed) costs only its own task: its outcome is ``died`` or ``overtime``, the worker
 is replaced, and the other tasks go on. Workers are fresh interpreters
 (`mcore_rl.rewards.pool_worker`), started once and reused until `close`.
 """
@@ -20,7 +20,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import wait
 from typing import Callable, Sequence
 
-from mcore_rl.rewards.outcome import BUGS, Outcome
+from mcore_rl.rewards.outcome import Outcome
 from mcore_rl.rewards.registry import first_line
 
 Task = tuple[Callable, tuple, int | None]
@@ -83,14 +83,16 @@ class WorkerPool:
         self.workers[self.workers.index(worker)] = fresh
         return fresh
 
-    def run(self, tasks: Sequence[Task], timeouts: Sequence[float]) -> list[Outcome | None]:
+    def run(self, tasks: Sequence[Task], timeouts: Sequence[float],
+            stop: Callable[[int, Outcome], bool] | None = None) -> list[Outcome | None]:
         """Each task's `Outcome`, in order; ``timeouts[i]``: task i's time limit (0: none).
 
-        The first task whose outcome is a bug of the function stops the run: nothing more
-        is sent, the tasks in flight are abandoned (their workers replaced), and those
+        ``stop(i, outcome)`` sees each outcome as it comes; once it answers True nothing
+        more is sent, the tasks in flight are abandoned (their workers replaced), and those
         never finished are None."""
         if not self._finalizer.alive:
             raise RuntimeError("the reward worker pool is closed")
+        stop = stop or (lambda i, outcome: False)
         outcomes: list[Outcome | None] = [None] * len(tasks)
         todo, idle = deque(range(len(tasks))), list(self.workers)
         busy: dict[_Worker, tuple[int, float]] = {}  # worker -> (task, deadline)
@@ -104,8 +106,8 @@ class WorkerPool:
                     outcomes[i] = Outcome("raised", message="cannot be sent to a reward worker "
                                           f"process with its arguments ({type(err).__name__}: "
                                           f"{first_line(err)})")
-                    stopped = True
-                    break
+                    stopped = stop(i, outcomes[i])
+                    continue
                 worker = idle.pop()
                 try:
                     worker.conn.send_bytes(message)
@@ -126,13 +128,15 @@ class WorkerPool:
                     outcomes[i] = Outcome("died", message=self._death(worker))
                     worker = self._replace(worker)
                 idle.append(worker)
-                stopped = stopped or outcomes[i].kind in BUGS
+                stopped = stopped or stop(i, outcomes[i])
             now = time.monotonic()
             for worker, (i, deadline) in list(busy.items()):
                 if stopped or deadline <= now:
                     del busy[worker]
                     if not stopped:
-                        outcomes[i] = Outcome("timeout", message=f"took longer than {timeouts[i]:g} s")
+                        outcomes[i] = Outcome("overtime", message=f"took longer than "
+                                              f"{timeouts[i]:g} s (reward.timeout_s per sample)")
+                        stopped = stop(i, outcomes[i])
                     idle.append(self._replace(worker))
         return outcomes
 
@@ -141,8 +145,9 @@ class WorkerPool:
         try:
             code = worker.proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
-            return "its worker process closed the connection"
-        return f"its worker process died ({f'signal {-code}' if code < 0 else f'exit status {code}'})"
+            return "lost its worker process (it closed the connection)"
+        how = f"signal {-code}" if code < 0 else f"exit status {code}"
+        return f"lost its worker process ({how})"
 
     def close(self) -> None:
         """Stop the workers (idle ones exit; busy ones are killed after a second)."""

@@ -19,7 +19,9 @@ three (async ones concurrently, synchronous ones in worker processes if configur
 A function that cannot score a response for a reason of the response's own (a program that
 crashes) raises `RewardFailure` (`RewardTimeout` when it ran out of time): the sample then
 scores ``reward.failure_score`` and is counted. Any other exception, or a return that is not
-a finite number, is a bug and stops scoring (`RewardError`).
+a finite number, is a fault of the function: the sample scores ``reward.failure_score`` too
+and is counted (``reward/errors``, ``reward/nonfinite``), and once more than
+``reward.max_failure_fraction`` of a batch has failed so, scoring stops (`RewardError`).
 
 A registered entry may carry ``prepare=f`` in its metadata: ``f(fn, reward_config)`` is
 called once when a scorer is built, checks what the function needs (refusing with a
@@ -45,7 +47,8 @@ SIGNATURES = ("signature: fn(prompt: str, response: str, meta: dict) -> float; a
 
 
 class RewardError(UsageError):
-    """A reward function raised or returned something that is not a finite number."""
+    """A reward function failed on more than ``reward.max_failure_fraction`` of a batch
+    (`score_all`: on one sample), or a batch to score is malformed."""
 
 
 class RewardFailure(Exception):

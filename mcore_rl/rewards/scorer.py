@@ -7,12 +7,17 @@
 - Synchronous functions run in ``reward.workers`` worker processes (`WorkerPool`; a batched
   function in one chunk per worker), or with 0 in this process, one call after another.
 - ``reward.timeout_s`` bounds each sample (async functions and the pool; a function called
-  in this process cannot be interrupted). A sample that times out, whose worker dies, or
-  whose function raises `RewardFailure` scores ``reward.failure_score`` and is counted
-  (``reward/timeouts``, ``reward/worker_deaths``, ``reward/failures``: samples per batch).
-- A function that raises anything else, or returns something that is not one finite number
-  per response, is a bug: `RewardError`, one line naming the sample and the function, and
-  nothing more is scored.
+  in this process cannot be interrupted).
+- A response the function cannot score (it raises `RewardFailure`, e.g. a program that
+  crashes, or `RewardTimeout`) scores ``reward.failure_score`` and is counted
+  (``reward/failures``, ``reward/timeouts``: samples per batch).
+- A fault of the reward itself costs only its sample too (``reward.failure_score``) and is
+  counted: a call past ``reward.timeout_s`` (``reward/timeouts``), whose worker process
+  died (``reward/worker_deaths``), that raised anything else or (batched) returned the
+  wrong number of scores (``reward/errors``), a score that is not a finite number
+  (``reward/nonfinite``). Once more than ``reward.max_failure_fraction`` of a batch's
+  samples have failed by faults of one function, scoring stops (nothing more is sent):
+  `RewardError`, one line naming the reward, the count, the first fault and the fix.
 
 The pool and the event loop start with the first batch that needs them and live until
 `close`.
@@ -28,10 +33,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from mcore_rl.errors import UsageError
-from mcore_rl.rewards.outcome import BUGS, Outcome, call, call_async
+from mcore_rl.rewards.outcome import FAULTS, Outcome, call, call_async
 from mcore_rl.rewards.pool import WorkerPool
-from mcore_rl.rewards.registry import (REWARDS, SIGNATURES, RewardError, function_name,
-                                       is_batched)
+from mcore_rl.rewards.registry import REWARDS, RewardError, function_name, is_batched
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +43,8 @@ if TYPE_CHECKING:
     from mcore_rl.config.sections import RewardConfig
 
 COUNTERS = {"failure": "reward/failures", "timeout": "reward/timeouts",
-            "died": "reward/worker_deaths"}
+            "overtime": "reward/timeouts", "died": "reward/worker_deaths",
+            "raised": "reward/errors", "length": "reward/errors", "invalid": "reward/nonfinite"}
 """Outcome kind -> the metric that counts its samples."""
 
 
@@ -96,12 +101,14 @@ class RewardScorer:
     """Scores batches with weighted reward functions (see the module docstring)."""
 
     def __init__(self, components: Sequence[RewardComponent], *, workers: int = 0,
-                 async_slots: int = 8, timeout_s: float = 0.0, failure_score: float = 0.0):
+                 async_slots: int = 8, timeout_s: float = 0.0, failure_score: float = 0.0,
+                 max_failure_fraction: float = 0.5):
         if not components:
             raise UsageError("a reward scorer needs at least one reward function")
         self.components = list(components)
         self.workers, self.async_slots = workers, async_slots
         self.timeout_s, self.failure_score = timeout_s, failure_score
+        self.max_failure_fraction = max_failure_fraction
         self._pool: WorkerPool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -113,12 +120,13 @@ class RewardScorer:
         weights = cfg.weights or {cfg.name: 1.0}
         components = [build_component(name, w, cfg) for name, w in weights.items()]
         return cls(components, workers=cfg.workers, async_slots=cfg.async_slots,
-                   timeout_s=cfg.timeout_s, failure_score=cfg.failure_score)
+                   timeout_s=cfg.timeout_s, failure_score=cfg.failure_score,
+                   max_failure_fraction=cfg.max_failure_fraction)
 
     def score(self, prompts: Sequence[str], responses: Sequence[str],
               metas: Sequence[dict]) -> tuple[torch.Tensor, dict[str, float]]:
         """[B] float32 weighted scores and the batch's metrics (``reward/<name>/mean`` per
-        function; counts of ``reward/failures``, ``reward/timeouts``, ``reward/worker_deaths``)."""
+        function; the counts of `COUNTERS`); `RewardError` past ``max_failure_fraction``."""
         import torch
 
         n = len(responses)
@@ -137,27 +145,45 @@ class RewardScorer:
         return torch.tensor(total, dtype=torch.float32), metrics
 
     def _values(self, c: RewardComponent, args: list[tuple], metrics: dict) -> list[float]:
-        """One score per sample of component ``c``; failures counted in ``metrics``."""
+        """One score per sample of component ``c`` (``failure_score`` where none); failed
+        samples counted in ``metrics``."""
         spans = self._run(c, args)
         values = [self.failure_score] * len(args)
+        faults, first = 0, None
         for start, stop, outcome in spans:
             if outcome is None:
-                continue  # abandoned after a bug, which this loop reaches and reports
-            if outcome.kind in BUGS:
-                raise RewardError(self._bug_message(c.fn, outcome, start, stop, args))
+                continue  # not run: the batch was past max_failure_fraction already
+            if isinstance(outcome.value, list):  # a batched call's, None where not a number
+                values[start:stop] = [self.failure_score if v is None else v for v in outcome.value]
+            elif outcome.kind == "ok":
+                values[start] = outcome.value
             if outcome.kind == "ok":
-                scores = outcome.value if c.kind == "batched" else [outcome.value]
-                values[start:stop] = scores
-            else:
-                metrics[COUNTERS[outcome.kind]] += stop - start
+                continue
+            metrics[COUNTERS[outcome.kind]] += outcome.unscored(stop - start)
+            if outcome.kind in FAULTS:
+                faults += outcome.faults(stop - start)
+                first = first or (start, stop, outcome)
+        if self._past_limit(faults, len(args)):
+            raise RewardError(self._stop_message(c, faults, len(args), *first, args))
         if any(o is None for _, _, o in spans):
-            raise RuntimeError("reward calls were abandoned without a bug to report")
+            raise RuntimeError("reward calls were abandoned below reward.max_failure_fraction")
         return values
 
+    def _past_limit(self, faults: int, n: int) -> bool:
+        return faults / n > self.max_failure_fraction
+
     def _run(self, c: RewardComponent, args: list[tuple]) -> list[tuple[int, int, Outcome | None]]:
-        """(first sample, end, outcome) of every call of ``c`` over the batch."""
+        """(first sample, end, outcome) of every call of ``c`` over the batch; None for the
+        calls never run (or abandoned) once the batch was past ``max_failure_fraction``."""
+        faults = 0
+
+        def stop(size: int, outcome: Outcome) -> bool:
+            nonlocal faults
+            faults += outcome.faults(size)
+            return self._past_limit(faults, len(args))
+
         if c.kind == "async":
-            outcomes = self._event_loop_run(self._gather(c.fn, args))
+            outcomes = self._event_loop_run(self._gather(c.fn, args, stop))
             return [(i, i + 1, o) for i, o in enumerate(outcomes)]
         if c.kind == "batched":
             chunks = _chunks(len(args), max(1, self.workers))
@@ -168,17 +194,19 @@ class RewardScorer:
             tasks = [(c.fn, a, None) for a in args]
             timeouts = [self.timeout_s] * len(args)
         if self.workers:
-            outcomes = self.pool().run(tasks, timeouts)
+            outcomes = self.pool().run(tasks, timeouts,
+                                       lambda i, o: stop(chunks[i][1] - chunks[i][0], o))
         else:
             outcomes = []
-            for task in tasks:
+            for (a, b), task in zip(chunks, tasks):
                 outcomes.append(call(*task))
-                if outcomes[-1].kind in BUGS:
+                if stop(b - a, outcomes[-1]):
                     break
             outcomes += [None] * (len(tasks) - len(outcomes))
         return [(a, b, o) for (a, b), o in zip(chunks, outcomes)]
 
-    async def _gather(self, fn: Callable, args: list[tuple]) -> list[Outcome | None]:
+    async def _gather(self, fn: Callable, args: list[tuple],
+                      stop: Callable[[int, Outcome], bool]) -> list[Outcome | None]:
         slots = asyncio.Semaphore(self.async_slots)
 
         async def one(a: tuple) -> Outcome:
@@ -188,7 +216,7 @@ class RewardScorer:
         tasks = [asyncio.ensure_future(one(a)) for a in args]
         try:
             for next_done in asyncio.as_completed(tasks):
-                if (await next_done).kind in BUGS:
+                if stop(1, await next_done):
                     break
         finally:
             for t in tasks:
@@ -196,19 +224,21 @@ class RewardScorer:
             await asyncio.gather(*tasks, return_exceptions=True)
         return [t.result() if not t.cancelled() else None for t in tasks]
 
-    def _bug_message(self, fn: Callable, o: Outcome, start: int, stop: int,
-                     args: list[tuple]) -> str:
-        name = function_name(fn)
+    def _stop_message(self, c: RewardComponent, faults: int, n: int, start: int, stop: int,
+                      o: Outcome, args: list[tuple]) -> str:
+        """One line: the reward, how many samples failed, the first fault, the fix."""
         i = start + o.offset
-        if o.kind == "raised":
-            where = f"sample {i}, response {args[i][1][:60]!r}" if stop - start == 1 else \
-                f"batched call on samples {start}..{stop - 1}"
-            return f"reward function {name} {o.message} ({where}); fix the function or its data"
-        if o.kind == "length":
-            return (f"reward function {name} {o.message} (samples {start}..{stop - 1}); a batched "
-                    "function returns one finite number per response, in order")
-        return (f"reward function {name} {o.message} for sample {i}; it must return one finite "
-                f"number per response ({SIGNATURES})")
+        where = f"sample {i}, response {args[i][1][:60]!r}" if stop - start == 1 or \
+            o.kind == "invalid" else f"batched call on samples {start}..{stop - 1}"
+        fix = {"overtime": "fix the reward function or raise reward.timeout_s",
+               "invalid": "fix the reward function (it must return one finite number per "
+                          "response)",
+               "length": "fix the reward function (a batched function returns one finite "
+                         "number per response, in order)"}.get(o.kind, "fix the reward function")
+        return (f"reward '{c.name}': {faults} of {n} samples failed, more than "
+                f"reward.max_failure_fraction={self.max_failure_fraction:g} allows; the first: "
+                f"{function_name(c.fn)} {o.message} ({where}); {fix}, or raise "
+                "reward.max_failure_fraction")
 
     def pool(self) -> WorkerPool:
         """The worker pool (started on first use)."""

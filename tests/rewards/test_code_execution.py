@@ -112,7 +112,11 @@ def test_the_reward_refuses_to_start_where_no_user_namespace_can_be_made():
     assert "reward.sandbox=remote" in done.stderr and done.stderr.count("\n") == 1
 
 
-def test_tests_in_the_wrong_format_are_a_bug_naming_the_sample():
-    with code_scorer() as s, pytest.raises(RewardError, match=r"raised ValueError: meta\['tests'\] "
-                                                              r"must be a non-empty list .*\(sample 1"):
+def test_tests_in_the_wrong_format_are_an_error_naming_the_sample():
+    with code_scorer() as s:
+        scores, metrics = s.score(["", ""], ["pass", "pass"], [ADD_TESTS, {"tests": []}])
+    assert scores.tolist() == [0.0, -1.0] and metrics["reward/errors"] == 1
+    with code_scorer(max_failure_fraction=0.0) as s, \
+            pytest.raises(RewardError, match=r"raised ValueError: meta\['tests'\] must be a "
+                                             r"non-empty list .*\(sample 1"):
         s.score(["", ""], ["pass", "pass"], [ADD_TESTS, {"tests": []}])

@@ -1,9 +1,12 @@
 """`WorkerPool` through `RewardScorer` with ``reward.workers``: parallel speed-up, timeouts
-and dead workers cost only their own sample, torch-free workers."""
+and dead workers cost only their own sample (until ``reward.max_failure_fraction`` of the
+batch), torch-free workers."""
 import sys
 import time
 
-from mcore_rl.rewards import RewardComponent, RewardScorer
+import pytest
+
+from mcore_rl.rewards import RewardComponent, RewardError, RewardScorer
 from tests.rewards import verifiers
 
 
@@ -92,6 +95,39 @@ def test_a_worker_killed_by_the_os_fails_only_its_sample_and_is_replaced():
     assert again.tolist() == [float(i) for i in range(8)]
     assert metrics_again["reward/worker_deaths"] == 0
     assert len(set(pids)) == 2
+
+
+def test_every_fault_counts_toward_max_failure_fraction_and_a_reported_failure_does_not():
+    metas = [{"fault": k} for k in ("raise", "nan", "hang", "die", "fail", "fail")] + [{}] * 2
+    with scorer(verifiers.faulty, workers=2, timeout_s=1.5, failure_score=-1.0) as s:
+        scores, metrics = s.score(["p"] * 8, ["r"] * 8, metas)  # 4 faults of 8: at the fraction
+        assert scores.tolist() == [-1.0] * 6 + [1.0] * 2
+        assert metrics["reward/errors"] == metrics["reward/nonfinite"] == 1
+        assert metrics["reward/timeouts"] == metrics["reward/worker_deaths"] == 1
+        assert metrics["reward/failures"] == 2
+        with pytest.raises(RewardError, match=r"^reward 'faulty': 5 of 8 samples failed, more "
+                                              r"than reward.max_failure_fraction=0.5 allows; the "
+                                              r"first: faulty raised KeyError: 'answer' "
+                                              r"\(sample 0"):
+            s.score(["p"] * 8, ["r"] * 8, metas[:5] + [{"fault": "inf"}] + metas[6:])
+
+
+def test_a_reward_that_hangs_on_every_sample_stops_after_the_fraction_has_timed_out():
+    with scorer(verifiers.faulty, workers=2, timeout_s=1.0) as s:
+        s.pool()
+        t0 = time.perf_counter()
+        with pytest.raises(RewardError) as err:
+            s.score(["p"] * 6, ["r"] * 6, [{"fault": "hang"}] * 6)
+        wall = time.perf_counter() - t0
+        after, _ = s.score(["p"] * 2, ["r"] * 2, [{}, {}])
+    assert str(err.value) == (
+        "reward 'faulty': 4 of 6 samples failed, more than reward.max_failure_fraction=0.5 "
+        "allows; the first: faulty took longer than 1 s (reward.timeout_s per sample) (sample "
+        "0, response 'r'); fix the reward function or raise reward.timeout_s, or raise "
+        "reward.max_failure_fraction")
+    assert wall < 6.0, f"two rounds of 1 s timeouts took {wall:.2f} s"
+    assert after.tolist() == [1.0, 1.0]  # the hung workers were replaced (a fresh worker
+    # starts within the 1 s limit of its first sample, even on a loaded machine)
 
 
 def test_batched_functions_run_in_one_chunk_per_worker():

@@ -1,5 +1,6 @@
 """`RewardScorer`: async functions in slots, weighted combinations, failure semantics, and
 the config that builds it."""
+import re
 import time
 
 import pytest
@@ -66,40 +67,118 @@ def test_a_reported_failure_scores_failure_score_and_is_counted():
     assert metrics["reward/failures"] == 1
 
 
-@pytest.mark.parametrize("fn, workers, metas, message", [
-    (verifiers.raises_on_request, 0, [{}, {}, {"raise": True}, {}],
-     r"^reward function raises_on_request raised KeyError: 'answer' \(sample 2, response 'r2'\)"),
-    (verifiers.raises_on_request, 2, [{}, {}, {"raise": True}, {}],
-     r"^reward function raises_on_request raised KeyError: 'answer' \(sample 2, response 'r2'\)"),
-    (verifiers.async_raises, 0, [{}, {"raise": True}, {}, {}],
-     r"^reward function async_raises raised ValueError: bad \(sample 1, response 'r1'\)"),
-    (verifiers.nan_on_request, 0, [{}, {"nan": True}, {}, {}],
-     r"^reward function nan_on_request returned nan for sample 1; it must return one finite"),
-    (verifiers.nan_on_request, 2, [{}, {}, {}, {"nan": True}],
-     r"^reward function nan_on_request returned nan for sample 3; it must return one finite"),
-    (verifiers.batched_one_short, 0, [{}] * 4,
-     r"^reward function batched_one_short returned 3 scores for 4 responses \(samples 0..3\)"),
-    (verifiers.batched_inf_at_2, 0, [{}] * 4,
-     r"^reward function batched_inf_at_2 returned inf for sample 2; it must return"),
-], ids=["raises", "raises-in-pool", "async-raises", "nan", "nan-in-pool", "batched-short",
-        "batched-inf"])
-def test_a_buggy_reward_function_is_one_line_naming_the_sample_and_the_function(
-        fn, workers, metas, message):
-    with scorer(fn, workers=workers) as s, pytest.raises(RewardError, match=message) as err:
+COUNTERS = ("reward/failures", "reward/timeouts", "reward/worker_deaths", "reward/errors",
+            "reward/nonfinite")
+
+
+@pytest.mark.parametrize("fn, options, metas, counter, expected", [
+    (verifiers.raises_on_request, {}, [{}, {}, {"raise": True}, {}], "reward/errors",
+     [1, 1, -1, 1]),
+    (verifiers.raises_on_request, {"workers": 2}, [{}, {}, {"raise": True}, {}],
+     "reward/errors", [1, 1, -1, 1]),
+    (verifiers.async_raises, {}, [{}, {"raise": True}, {}, {}], "reward/errors", [1, -1, 1, 1]),
+    (verifiers.nan_on_request, {}, [{}, {"nan": True}, {}, {}], "reward/nonfinite",
+     [1, -1, 1, 1]),
+    (verifiers.nan_on_request, {"workers": 2}, [{}, {}, {}, {"nan": True}], "reward/nonfinite",
+     [1, 1, 1, -1]),
+    (verifiers.faulty, {}, [{"fault": "inf"}, {}, {}, {}], "reward/nonfinite", [-1, 1, 1, 1]),
+    (verifiers.faulty, {}, [{}, {"fault": "text"}, {}, {}], "reward/nonfinite", [1, -1, 1, 1]),
+    (verifiers.batched_inf_at_2, {}, [{}] * 4, "reward/nonfinite", [1, 1, -1, 1]),
+    (verifiers.slow_async, {"timeout_s": 0.2}, [{"sleep": 0.0}] * 3 + [{"sleep": 30.0}],
+     "reward/timeouts", [2, 2, 2, -1]),
+], ids=["raises", "raises-in-pool", "async-raises", "nan", "nan-in-pool", "inf", "text",
+        "batched-inf", "async-hangs"])
+def test_a_reward_fault_scores_failure_score_on_its_sample_alone_and_is_counted(
+        fn, options, metas, counter, expected):
+    with scorer(fn, failure_score=-1.0, **options) as s:
+        scores, metrics = s.score(["p"] * 4, [f"r{i}" for i in range(4)], metas)
+    assert scores.tolist() == expected
+    assert metrics[counter] == 1 and sum(metrics[k] for k in COUNTERS) == 1
+
+
+def test_a_batched_call_that_returns_the_wrong_number_of_scores_fails_its_whole_chunk():
+    with scorer(verifiers.batched_one_short, workers=2, failure_score=-1.0,
+                max_failure_fraction=1.0) as s:
+        scores, metrics = s.score(["p"] * 4, [f"r{i}" for i in range(4)], [{}] * 4)
+    assert scores.tolist() == [-1.0] * 4
+    assert metrics["reward/errors"] == 4
+
+
+@pytest.mark.parametrize("fn, options, metas, first", [
+    (verifiers.raises_on_request, {}, [{"raise": True}] * 4,
+     r"raises_on_request raised KeyError: 'answer' \(sample 0, response 'r0'\); fix the reward "
+     r"function, or raise"),
+    (verifiers.async_raises, {}, [{"raise": True}] * 4,
+     r"async_raises raised ValueError: bad \(sample \d, response 'r\d'\); fix the reward function, "
+     r"or raise"),
+    (verifiers.nan_on_request, {"workers": 2}, [{"nan": True}] * 4,
+     r"nan_on_request returned nan \(sample \d, response 'r\d'\); fix the reward function \(it "
+     r"must return one finite number per response\), or raise"),
+    (verifiers.slow_async, {"timeout_s": 0.2}, [{"sleep": 30.0}] * 4,
+     r"slow_async took longer than 0.2 s \(reward.timeout_s\) \(sample \d, response 'r\d'\); fix "
+     r"the reward function or raise reward.timeout_s, or raise"),
+    (verifiers.batched_one_short, {}, [{}] * 4,
+     r"batched_one_short returned 3 scores for 4 responses \(batched call on samples 0..3\); fix "
+     r"the reward function \(a batched function returns one finite number per response, in "
+     r"order\), or raise"),
+], ids=["raises", "async-raises", "nan-in-pool", "async-hangs", "batched-short"])
+def test_a_reward_failing_on_most_samples_stops_in_one_line_naming_the_reward_cause_and_fix(
+        fn, options, metas, first):
+    with scorer(fn, **options) as s, pytest.raises(RewardError) as err:
         s.score(["p"] * 4, [f"r{i}" for i in range(4)], metas)
-    assert "\n" not in str(err.value)
+    line = str(err.value)
+    assert re.match(rf"reward '{fn.__name__}': [34] of 4 samples failed, more than "
+                    r"reward.max_failure_fraction=0.5 allows; the first: ", line), line
+    assert re.search(first, line), line
+    assert line.endswith(", or raise reward.max_failure_fraction") and "\n" not in line
 
 
-def test_nothing_is_scored_after_a_bug():
+@pytest.mark.parametrize("fraction, n, faults, stops", [
+    (0.5, 8, 4, False), (0.5, 8, 5, True), (0.3, 10, 3, False), (0.3, 10, 4, True),
+    (0.0, 4, 0, False), (0.0, 4, 1, True), (1.0, 4, 4, False),
+])
+def test_scoring_stops_above_max_failure_fraction_and_not_at_or_below_it(fraction, n, faults,
+                                                                         stops):
+    kinds = ["raise", "nan", "inf", "text"] * 3
+    metas = [{"fault": k} for k in kinds[:faults]] + [{}] * (n - faults)
+    with scorer(verifiers.faulty, failure_score=-1.0, max_failure_fraction=fraction) as s:
+        if stops:
+            with pytest.raises(RewardError, match=rf"^reward 'faulty': {faults} of {n} samples "
+                                                  r"failed, .*the first: faulty raised KeyError: "
+                                                  r"'answer' \(sample 0, "):
+                s.score(["p"] * n, ["r"] * n, metas)
+            return
+        scores, metrics = s.score(["p"] * n, ["r"] * n, metas)
+    assert scores.tolist() == [-1.0] * faults + [1.0] * (n - faults)
+    assert metrics["reward/errors"] + metrics["reward/nonfinite"] == faults
+
+
+def test_reported_failures_do_not_count_toward_max_failure_fraction():
+    with scorer(verifiers.fails_on_request, failure_score=-1.0, max_failure_fraction=0.0) as s:
+        scores, metrics = s.score(["p"] * 4, ["r"] * 4, [{"fail": True}] * 4)
+    assert scores.tolist() == [-1.0] * 4 and metrics["reward/failures"] == 4
+
+
+def test_max_failure_fraction_comes_from_the_config_and_is_one_half_by_default():
+    assert RewardConfig().max_failure_fraction == 0.5
+    cfg = RewardConfig(name=f"{V}:faulty", max_failure_fraction=0.0)
+    with RewardScorer.from_config(cfg) as s, pytest.raises(RewardError, match=r"^reward "
+                                                           rf"'{V}:faulty': 1 of 2 samples"):
+        s.score(["p"] * 2, ["r"] * 2, [{}, {"fault": "nan"}])
+
+
+@pytest.mark.parametrize("fraction, calls_made", [(0.25, 3), (0.0, 1)])
+def test_nothing_more_is_scored_once_the_batch_is_past_max_failure_fraction(fraction, calls_made):
     calls = []
 
     def record(prompt, response, meta):
         calls.append(response)
-        return 1.0 if response != "bad" else [1.0]
+        return [1.0]
 
-    with scorer(record) as s, pytest.raises(RewardError, match="for sample 1"):
-        s.score(["p"] * 4, ["a", "bad", "c", "d"], [{}] * 4)
-    assert calls == ["a", "bad"]
+    with scorer(record, max_failure_fraction=fraction) as s, \
+            pytest.raises(RewardError, match=rf"^reward 'record': {calls_made} of 8 samples"):
+        s.score(["p"] * 8, list("abcdefgh"), [{}] * 8)
+    assert calls == list("abcdefgh"[:calls_made])
 
 
 def test_a_function_workers_cannot_import_is_refused_when_the_scorer_is_built():
@@ -125,6 +204,8 @@ _async_batched.reward_batched = True
     ("reward.timeout_s=-0.5", r"reward.timeout_s must be >= 0, got -0.5"),
     ("reward.async_slots=0", r"reward.async_slots must be >= 1, got 0"),
     ("reward.weights.math=.nan", r"reward.weights.math must be a finite number"),
+    ("reward.max_failure_fraction=1.5",
+     r"reward.max_failure_fraction must be in \[0, 1\], got 1.5; set .* \(0 stops at the first"),
 ])
 def test_bad_reward_settings_are_refused_before_any_work(override, message):
     with pytest.raises(ConfigError, match=message) as err:

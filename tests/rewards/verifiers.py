@@ -59,6 +59,21 @@ def nan_on_request(prompt, response, meta):
     return float("nan") if meta.get("nan") else 1.0
 
 
+def faulty(prompt, response, meta):
+    """1.0, or the fault ``meta["fault"]`` names: raise, nan, inf, text (a string), hang (30
+    s), die (its process killed), fail (`RewardFailure`: the response's, not a fault)."""
+    fault = meta.get("fault")
+    if fault == "raise":
+        raise KeyError("answer")
+    if fault == "hang":
+        time.sleep(30.0)
+    if fault == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "fail":
+        raise RewardFailure("this response cannot be checked")
+    return {"nan": float("nan"), "inf": float("inf"), "text": "1.0"}.get(fault, 1.0)
+
+
 async def async_raises(prompt, response, meta):
     if meta.get("raise"):
         raise ValueError("bad\nrecord")
