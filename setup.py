@@ -43,6 +43,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "logging": ["tensorboard", "matplotlib"],
         "tasks": ["reasoning-gym"],
+        "math": ["math-verify[antlr4_13_2]>=0.9"],  # the math reward, with its ANTLR runtime
         "test": ["pytest", "pytest-timeout"],
     },
     entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli.main:main"]},
