@@ -3,11 +3,12 @@
     python -m mcore_rl.benchmarks._dpo_driver SPEC.json OUT.json
 
 ``SPEC.json`` (written by ``benchmarks/dpo.py``) holds a config file and its overrides
-(``train.job: dpo``, already checked as ``mcore-rl train`` checks a config). The job runs as
-``mcore-rl train`` runs it on one machine: `run_ranks` starts the ranks, each runs
-`run_finetune` (the Megatron train engine, the frozen reference, the metrics log). The one
-addition is a timer around the reference-cache pass (``finetune.reference_logps: cached``),
-which happens before the first step and is in no metric.
+(``train.job: dpo``, already checked as ``mcore-rl train`` checks a config). The job's graph
+runs on the ranks of a local world (`SharedWorld`; `mcore_rl.roles.graph.run_in_this_world`:
+the trainer role, the Megatron train engine, the frozen reference, the metrics log, as
+``mcore-rl train`` runs them). The one addition is a timer around the reference-cache pass
+(``finetune.reference_logps: cached``), which happens before the first step and is in no
+metric.
 
 ``OUT.json``: one record per optimizer step from ``metrics.jsonl`` (``time/step``, the
 non-pad tokens of its batch, ``time/reference``), and the reference pass (seconds,
@@ -26,14 +27,12 @@ def pair_tokens(pair) -> int:
     return 2 * len(pair.prompt_ids) + len(pair.chosen_ids) + len(pair.rejected_ids)
 
 
-def rank(cfg, reference_out: str) -> None:
-    """One rank: `run_finetune` with the reference-cache pass timed."""
+def rank(rank: int, world_size: int, cfg, reference_out: str) -> None:
+    """One rank: the job's graph, with the reference-cache pass timed."""
     from mcore_rl.finetune import loop
-    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.parallel import destroy_parallel
+    from mcore_rl.roles.graph import run_in_this_world
 
-    p = cfg.parallel
-    ctx = initialize_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, seed=cfg.train.seed,
-                              backend=p.backend)
     fill = loop.open_reference_cache
     measured: dict = {}
 
@@ -50,12 +49,12 @@ def rank(cfg, reference_out: str) -> None:
     # leaves every other part of the run as `mcore-rl train` has it.
     loop.open_reference_cache = timed_fill
     try:
-        loop.run_finetune(cfg, ctx)
+        run_in_this_world(cfg)
     finally:
         loop.open_reference_cache = fill
-    if ctx.is_controller:
+    if rank == 0:
         Path(reference_out).write_text(json.dumps(measured or None))
-    destroy_parallel(keep_process_group=False)
+    destroy_parallel()
 
 
 def step_records(log_dir: Path) -> list[dict]:
@@ -69,14 +68,18 @@ def step_records(log_dir: Path) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     from mcore_rl.config import load_config
-    from mcore_rl.parallel.local_launch import run_ranks
+    from mcore_rl.parallel.local_world import SharedWorld
+    from mcore_rl.roles.rules import world_size_of
 
     spec = json.loads(Path(argv[0]).read_text())
     cfg = load_config(spec["config"], spec["overrides"])
-    p = cfg.parallel
     reference_out = Path(cfg.logging.dir) / "reference_pass.json"
-    run_ranks(rank, (cfg, str(reference_out)), nproc=(p.dp or 1) * p.tp * p.pp,
-              threads_per_rank=p.cpu_threads_per_rank)
+    world = SharedWorld(world_size_of(cfg), timeout_s=3600,
+                        threads_per_rank=cfg.parallel.cpu_threads_per_rank)
+    try:
+        world.run(rank, cfg, str(reference_out))
+    finally:
+        world.close()
     out = {"steps": step_records(Path(cfg.logging.dir)),
            "reference_pass": json.loads(reference_out.read_text())}
     Path(argv[1]).write_text(json.dumps(out))

@@ -1,12 +1,18 @@
-"""The new runtime's side of `mcore-rl bench flow`, in a fresh process: ``python -m
-mcore_rl.benchmarks._flow_driver SPEC OUT``. SPEC (JSON): config, overrides, steps, mode
-(``api``: `RLTrainer` driven step by step from this process; ``graph``: a rollout ->
-reward -> trainer `launch`). OUT: per-step timings and the launch's stats."""
+"""One run of `mcore-rl bench flow`, in a fresh process: ``python -m
+mcore_rl.benchmarks._flow_driver SPEC OUT``. SPEC (JSON): config, overrides, steps, mode:
+
+- ``fused``, ``cli``, ``graph``: the job's graph launched as ``mcore-rl train`` launches it
+  (`mcore_rl.roles.graph.run_job`), with ``rollout.placement: fused``, the config's own
+  placement, or ``train.schedule: one_step_off`` beside the trainer;
+- ``api``: `RLTrainer` driven step by step from this process.
+
+OUT: per-step timings, and for the launches their stats (round trips per step, per role)."""
 from __future__ import annotations
 
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -41,51 +47,20 @@ def run_api(cfg, steps: int) -> dict:
     return {"steps": out}
 
 
-def run_graph(cfg, steps: int) -> dict:
-    """The RL graph with ``train.schedule: one_step_off`` (the engine beside the trainer)."""
-    from dataclasses import replace
+def run_launch(cfg, steps: int) -> dict:
+    """The job's graph; per step its wall time as the graph runs it (``time/batch_interval``,
+    hops included; the first step has none) and the launch's stats."""
+    from mcore_rl.roles.graph import run_job
+    from mcore_rl.roles.rules import check_runnable, world_size_of
 
-    from mcore_rl.api.rl_graph import run_rl_graph
-
-    cfg = replace(cfg, train=replace(cfg.train, schedule="one_step_off", max_staleness=1),
-                  rollout=replace(cfg.rollout, placement="separate"))
-    stats = run_rl_graph(cfg)
+    stats = run_job(check_runnable(cfg, world_size_of(cfg)))
     history = [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl")
                .read_text().splitlines()]
     steps_out = [{"step": h["time/batch_interval"], "tokens": h["perf/tokens"],
-                  "update": h["time/update"], "staleness": h["rollout/staleness_max"]}
+                  "update": h["time/update"], "staleness": h.get("rollout/staleness_max", 0.0)}
                  for h in history if "time/batch_interval" in h]
     return {"steps": steps_out, "roles": {r: s.as_dict() for r, s in stats.roles.items()},
-            "table": stats.table()}
-
-
-def loop_rank(cfg_data: dict) -> None:
-    """One rank of the SPMD loop (spawned by `run_ranks`)."""
-    from mcore_rl.config import RLConfig
-    from mcore_rl.config.loader import _build
-    from mcore_rl.parallel import destroy_parallel, initialize_parallel
-    from mcore_rl.trainer import train
-
-    cfg = _build(RLConfig, cfg_data, "")
-    ctx = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
-    train(cfg, ctx)
-    destroy_parallel(keep_process_group=False)
-
-
-def run_loop(cfg, steps: int) -> dict:
-    """The RL loop as one SPMD program over the trainer's ranks (the engine beside rank 0),
-    as ``mcore-rl train`` ran it before the dataflow runtime and still does under torchrun
-    or srun: the per-step ``time/step`` of its metrics."""
-    from mcore_rl.config.loader import config_to_dict
-    from mcore_rl.parallel.local_launch import run_ranks
-
-    p = cfg.parallel
-    run_ranks(loop_rank, (config_to_dict(cfg),), nproc=(p.dp or 1) * p.tp * p.pp,
-              threads_per_rank=p.cpu_threads_per_rank)
-    history = [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl")
-               .read_text().splitlines()]
-    return {"steps": [{"step": h["time/step"], "tokens": h["perf/tokens"]}
-                      for h in history if "time/step" in h]}
+            "round_trips_per_step": stats.round_trips_per_step, "table": stats.table()}
 
 
 def main() -> None:
@@ -93,8 +68,13 @@ def main() -> None:
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     cfg = load_config(spec["config"], spec["overrides"])
-    run = {"api": run_api, "graph": run_graph, "loop": run_loop}[spec["mode"]]
-    result = run(cfg, spec["steps"])
+    mode = spec["mode"]
+    if mode == "fused":
+        cfg = replace(cfg, rollout=replace(cfg.rollout, placement="fused"))
+    elif mode == "graph":
+        cfg = replace(cfg, train=replace(cfg.train, schedule="one_step_off", max_staleness=1),
+                      rollout=replace(cfg.rollout, placement="separate"))
+    result = run_api(cfg, spec["steps"]) if mode == "api" else run_launch(cfg, spec["steps"])
     Path(sys.argv[2]).write_text(json.dumps(result))
 
 

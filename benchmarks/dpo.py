@@ -298,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = plan_from(args)
 
-    from mcore_rl.config import load_config, validate_config
-    from mcore_rl.finetune.check import check_finetune_job
+    from mcore_rl.config import load_config
+    from mcore_rl.roles.rules import check_runnable, world_size_of
 
     with tempfile.TemporaryDirectory(prefix="mcore-rl-bench-dpo-") as tmp:
         work = Path(tmp)
@@ -307,8 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         # Checked as `mcore-rl train` checks it, before either side starts.
         cfg = load_config(str(_config_path(CONFIG)),
                           our_overrides(plan, model_dir, work / "check", "on_the_fly"))
-        validate_config(cfg, world_size=(cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp)
-        check_finetune_job(cfg)
+        check_runnable(cfg, world_size_of(cfg))
         pairs, order = pairs_and_order(cfg, model_dir, plan.steps)
         ours = run_ours(plan, model_dir, work)
         trl = run_trl(cfg, plan, model_dir, pairs, order, work)

@@ -1,19 +1,20 @@
-"""`mcore-rl bench flow`: what the dataflow runtime costs an RL step, against the SPMD loop.
+"""`mcore-rl bench flow`: what the hops between controllers cost an RL step, against the
+same graph with every role fused into the trainer's ranks.
 
-In one run, on the same config, prompts, reward and threads, each in a fresh process:
+In one run, on the same config, prompts, reward and threads, each in a fresh process, each
+the job's graph as ``mcore-rl train`` launches it:
 
-- **loop** (the baseline): the RL loop as one SPMD program over the trainer's ranks, the
-  engine beside rank 0 (how ``mcore-rl train`` runs under torchrun or srun), its
-  per-step ``time/step``;
-- **cli**: ``mcore-rl train``, the loop as a rollout -> reward -> trainer graph on Ray with
-  the synchronous schedule, the wall time per step (``time/batch_interval``: hops between
-  the controllers included);
-- **api**: the same steps driven from a script through `RLTrainer` (ranks are Ray actors;
-  each step a ``sample`` call, the reward on the driver, an ``update`` call), timed on the
-  driver;
-- **graph**: ``mcore-rl train`` with ``train.schedule: one_step_off`` (the rollout of step
-  k+1 generated while step k trains, ``rollout.placement: separate``): its wall time per
-  trained batch, and the launch's blocked times per role.
+- **fused** (the baseline): ``rollout.placement: fused``, rollout and reward in line in the
+  trainer's first rank, the engine in its process: no Ray round trip per step;
+- **cli**: the config's placement (colocated by default): rollout, reward and trainer
+  controllers of their own, the synchronous schedule;
+- **api**: the same steps driven from a script through `RLTrainer` (each step a ``sample``
+  call, the reward on the driver, an ``update`` call), timed on the driver;
+- **graph**: ``train.schedule: one_step_off`` (the rollout of step k+1 generated while step
+  k trains, ``rollout.placement: separate``).
+
+Per step: the wall time as the graph runs it (``time/batch_interval``, hops included) and
+the Ray round trips the runtime counted (`FlowStats.round_trips_per_step`).
 
 Figures are medians over the steps after ``--warmup``. ``--quick``: few steps (for tests).
 Config overrides after the options (``key=value``, as ``mcore-rl train`` takes them) apply to
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from mcore_rl.benchmarks._common import (machine_info, median_of, rounded, run_spec_module,
                                          time_comparison, write_json)
-from mcore_rl.benchmarks.train import _config_path, our_overrides, run_ours
+from mcore_rl.benchmarks.train import _config_path, our_overrides
 from mcore_rl.errors import UsageError
 
 
@@ -41,7 +42,7 @@ def run_driver(mode: str, config: Path, overrides: list[str], steps: int, work: 
 
 
 _median = median_of
-MODES = ("loop", "cli", "api", "graph")
+MODES = ("fused", "cli", "api", "graph")
 
 
 def main(argv=None) -> int:
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="4 steps, 1 warm-up (for tests)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated runs to measure, of {', '.join(MODES)} (default: all); "
-                        "loop is the baseline of every comparison but one_step_off_vs_sync")
+                        "fused is the baseline of every comparison but one_step_off_vs_sync")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides for every run (e.g. rollout.engine=hf)")
     args = p.parse_args(argv)
@@ -79,16 +80,14 @@ def main(argv=None) -> int:
             overrides = [*args.overrides,
                          *our_overrides(cfg, steps, work / mode, args.threads, "fp32")]
             _log(f"{mode}: {steps} steps")
-            if mode == "cli":
-                runs[mode] = {"steps": run_ours(config, overrides, work / mode)}
-            else:
-                runs[mode] = run_driver(mode, config, overrides, steps, work)
+            runs[mode] = run_driver(mode, config, overrides, steps, work)
     measured = {m: runs[m]["steps"][warmup:] for m in runs}
-    if "graph" in runs:  # its intervals start at step 2
-        measured["graph"] = runs["graph"]["steps"][max(0, warmup - 1):]
+    for m in ("fused", "cli", "graph"):  # launches' intervals start at step 2
+        if m in runs:
+            measured[m] = runs[m]["steps"][max(0, warmup - 1):]
     step = {m: _median(measured[m], "step") for m in runs}
-    comparisons = {"cli_vs_loop": ("cli", "loop"), "api_vs_loop": ("api", "loop"),
-                   "one_step_off_vs_loop": ("graph", "loop"), "one_step_off_vs_sync": ("graph", "cli")}
+    comparisons = {"cli_vs_fused": ("cli", "fused"), "api_vs_fused": ("api", "fused"),
+                   "one_step_off_vs_fused": ("graph", "fused"), "one_step_off_vs_sync": ("graph", "cli")}
     report["step_time"] = {name: time_comparison(step[ours], step[base])
                            for name, (ours, base) in comparisons.items() if ours in runs and base in runs}
     if "api" in runs:
@@ -98,13 +97,16 @@ def main(argv=None) -> int:
         report["api_update_call_overhead_s"] = _median(api, "update") - _median(api, "update_in_ranks")
         report["api_phases_s"] = {k: _median(api, k) for k in ("sample", "score", "update")}
     report["tokens_per_step"] = {m: _median(runs[m]["steps"], "tokens") for m in runs}
+    report["round_trips_per_step"] = {m: runs[m]["round_trips_per_step"] for m in runs
+                                      if "round_trips_per_step" in runs[m]}
     report["steps_measured"] = {m: len(measured[m]) for m in runs}
-    if "graph" in runs:
-        report["graph_roles"] = runs["graph"]["roles"]
-        report["graph_table"] = runs["graph"]["table"]
+    for m in ("cli", "graph"):
+        if m in runs:
+            report[f"{m}_roles"] = runs[m]["roles"]
     out = write_json(args.json, rounded(report))
-    names = {"loop": "loop", "cli": "mcore-rl train", "api": "api", "graph": "one step off"}
+    names = {"fused": "fused", "cli": "mcore-rl train", "api": "api", "graph": "one step off"}
     _log("step time: " + ", ".join(f"{names[m]} {step[m]:.3f} s" for m in runs) + f"; {out}")
-    if "graph" in runs:
-        print(runs["graph"]["table"], flush=True)
+    for m in ("cli", "graph"):
+        if m in runs:
+            print(f"{names[m]}:\n{runs[m]['table']}", flush=True)
     return 0

@@ -1,7 +1,7 @@
 """GRPO from a driver script on a SLURM allocation, through Ray, and able to be preempted.
 
     mcore-rl launch slurm --nodes 2 --cpus-per-node 4 --partition debug \\
-        --run-dir runs/slurm_grpo --ray examples/slurm_grpo.py -- --steps 30
+        --run-dir runs/slurm_grpo examples/slurm_grpo.py -- --steps 30
 
 The job starts a Ray head on the first node and a Ray worker on every other one, then runs
 this script once, on the first node, with ``RAY_ADDRESS`` set: `RLTrainer` joins that Ray,

@@ -1,10 +1,10 @@
-"""Render the one sbatch template for a training request, check the cluster, submit.
+"""Render the sbatch template for a job, check the cluster, submit.
 
-`SbatchRequest` holds what varies between jobs (nodes, ranks per node, GPUs or CPUs,
-partition, time, the config and its overrides, or a Ray driver script and its arguments);
-`render_sbatch` fills ``templates/sbatch.sh`` (``mcore-rl train`` under torchrun) or
-``templates/sbatch_ray.sh`` (Ray on every node, the driver on the first) with it; `submit`
-hands the script to ``sbatch --parsable``.
+`SbatchRequest` holds what varies between jobs (nodes, GPUs or CPUs per node, partition,
+time, and the driver: ``mcore-rl train CONFIG [overrides]`` or a Python script with its
+arguments); `render_sbatch` fills ``templates/sbatch_ray.sh`` with it (a Ray head on the
+first node, a Ray worker on every other, the driver once on the first, Ray stopped when the
+job ends); `submit` hands the script to ``sbatch --parsable``.
 `resolve_partition` asks the cluster (``sinfo``) before submitting, so a missing or wrong
 partition fails with one line instead of a pending job.
 """
@@ -20,8 +20,7 @@ from string import Template
 
 from mcore_rl.errors import UsageError
 
-TEMPLATE = "sbatch.sh"
-RAY_TEMPLATE = "sbatch_ray.sh"
+TEMPLATE = "sbatch_ray.sh"
 
 
 class _AtTemplate(Template):
@@ -30,28 +29,25 @@ class _AtTemplate(Template):
 
 @dataclass
 class SbatchRequest:
-    """One training job: where it runs and what it trains."""
+    """One job: where it runs and what its driver runs."""
 
-    config: str
-    """Absolute path of the YAML config."""
-    overrides: list[str] = field(default_factory=list)
-    """``section.field=value`` overrides, passed to every rank unchanged."""
+    driver: list[str]
+    """The driver's arguments to the environment's Python: ``-m mcore_rl.cli.main train
+    CONFIG [overrides]``, or a script (absolute path) and its arguments."""
     run_dir: str = ""
-    """Absolute run directory (``logging.dir``): job log, stop file, checkpoints."""
+    """Absolute run directory (``logging.dir``, or the script's): job log, stop file."""
     workdir: str = ""
     """Directory the job starts in (relative paths of the config resolve from here)."""
     python: str = "python"
     """Python interpreter of the environment that has mcore-rl installed (absolute path)."""
     nodes: int = 1
-    """Nodes to allocate; one torchrun per node."""
-    procs_per_node: int = 1
-    """Ranks per node (equal to GPUs per node on GPU nodes)."""
+    """Nodes to allocate; one Ray node on each."""
     gpus_per_node: int | None = None
-    """GPUs per node; None for CPU nodes (gloo)."""
+    """GPUs per node (Ray's GPUs); None for CPU nodes."""
     cpus_per_node: int = 0
-    """CPU cores per node; 0: procs_per_node * threads_per_rank (CPU), cluster default (GPU)."""
+    """CPU cores per node; 0: the cluster's default."""
     threads_per_rank: int = 1
-    """OMP_NUM_THREADS of every rank (unless set in the submitting environment)."""
+    """OMP_NUM_THREADS of the job's processes (unless set in the submitting environment)."""
     partition: str = ""
     """SLURM partition; empty: the cluster's default."""
     time: str = "01:00:00"
@@ -62,14 +58,6 @@ class SbatchRequest:
     """Job name shown by squeue."""
     signal_lead_s: int = 300
     """USR1 to the batch shell this many seconds before the time limit."""
-    ray_driver: list[str] = field(default_factory=list)
-    """Ray mode: the driver script (absolute path) and its arguments, run once on the first
-    node with a Ray node on every node (``templates/sbatch_ray.sh``); empty: ``mcore-rl
-    train CONFIG`` with one torchrun per node (``templates/sbatch.sh``)."""
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.procs_per_node
 
     @property
     def log_path(self) -> str:
@@ -77,11 +65,7 @@ class SbatchRequest:
         return f"{self.run_dir}/slurm-%j.log"
 
     def cpus(self) -> int:
-        if self.cpus_per_node:
-            return self.cpus_per_node
-        if self.gpus_per_node or self.ray_driver:
-            return 0
-        return self.procs_per_node * self.threads_per_rank
+        return self.cpus_per_node
 
 
 def sbatch_directives(req: SbatchRequest) -> list[str]:
@@ -113,28 +97,16 @@ def _backend_env(req: SbatchRequest) -> str:
 
 def render_sbatch(req: SbatchRequest) -> str:
     """The job script for ``req``."""
-    template = RAY_TEMPLATE if req.ray_driver else TEMPLATE
-    text = resources.files("mcore_rl.launch").joinpath("templates", template).read_text()
+    text = resources.files("mcore_rl.launch").joinpath("templates", TEMPLATE).read_text()
     srun_extra = f"--cpus-per-task={req.cpus()} " if req.cpus() else ""
-    if req.ray_driver:
-        ray_resources = " ".join(
-            [*([f"--num-cpus {req.cpus()}"] if req.cpus() else []),
-             *([f"--num-gpus {req.gpus_per_node}"] if req.gpus_per_node else [])])
-        return _AtTemplate(text).substitute(
-            directives="\n".join(sbatch_directives(req)), python=shlex.quote(req.python),
-            run_dir=shlex.quote(req.run_dir), threads_per_rank=req.threads_per_rank,
-            backend_env=_backend_env(req), srun_extra=srun_extra, ray_resources=ray_resources,
-            driver_args=shlex.join(req.ray_driver))
+    ray_resources = " ".join(
+        [*([f"--num-cpus {req.cpus()}"] if req.cpus() else []),
+         *([f"--num-gpus {req.gpus_per_node}"] if req.gpus_per_node else [])])
     return _AtTemplate(text).substitute(
-        directives="\n".join(sbatch_directives(req)),
-        python=shlex.quote(req.python),
-        run_dir=shlex.quote(req.run_dir),
-        threads_per_rank=req.threads_per_rank,
-        backend_env=_backend_env(req),
-        procs_per_node=req.procs_per_node,
-        srun_extra=srun_extra,
-        train_args=shlex.join([req.config, *req.overrides]),
-    )
+        directives="\n".join(sbatch_directives(req)), python=shlex.quote(req.python),
+        run_dir=shlex.quote(req.run_dir), threads_per_rank=req.threads_per_rank,
+        backend_env=_backend_env(req), srun_extra=srun_extra, ray_resources=ray_resources,
+        driver_args=shlex.join(req.driver))
 
 
 def require_slurm_client(names: tuple[str, ...] = ("sbatch", "sinfo")) -> None:

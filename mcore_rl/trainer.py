@@ -1,41 +1,78 @@
-"""The RL loop: generate -> score -> log-probs -> KL penalty -> values -> advantages ->
-update -> sync.
+"""The RL step, on the trainer's ranks: a scored rollout batch -> log-probs -> KL penalty ->
+values -> advantages -> update -> sync (`train_step`, `learn`), then validation, logs,
+checkpoints and the stop check (`after_step`).
 
-Synchronous: the rollout engine and the trainer take turns. Colocated, the engine sleeps
-while the trainer computes (log-probs and update), then wakes its weights for the sync and
-its KV cache for the next generation; under an overlapping schedule the engine generates
-only outside the trainer's turn, so the two never compete for the same devices. Every
-phase is its own function in ``mcore_rl.rl.phases`` (``(state, batch) -> batch``), so a
-later schedule can overlap them. Simplifications, on purpose: one
-rollout batch per step (no replay buffer); the reference model is frozen at the initial
-weights; KL is estimated per token from policy samples (k1/k3).
+Generation and scoring happen before, in the rollout and reward roles of the job's graph
+(`mcore_rl.roles`), wherever the placement puts them. Colocated, the engine sleeps while
+the trainer computes (log-probs and update), then wakes its weights for the sync and its KV
+cache for the next generation, so the two never compete for the same devices. Every phase
+is its own function in ``mcore_rl.rl.phases`` (``(state, batch) -> batch``).
+Simplifications, on purpose: one rollout batch per step (no replay buffer); the reference
+model is frozen at the initial weights; KL is estimated per token from policy samples
+(k1/k3).
 """
 from __future__ import annotations
 
 import time
 
-from mcore_rl.config import RLConfig
+from mcore_rl.data.batch import Batch
 from mcore_rl.errors import StopRequested
-from mcore_rl.parallel import ParallelContext
 from mcore_rl.rl import phases
-from mcore_rl.rl.setup import RunState, build_run, initial_model_removed_on_failure
+from mcore_rl.rl.group_batch import assemble_groups, token_staleness
+from mcore_rl.rl.setup import RunState
+from mcore_rl.rl.staleness import within_staleness
 from mcore_rl.rl.step_metrics import rollout_metrics, validation_metrics
 
 
-def rl_step(state: RunState) -> dict[str, float]:
-    """Generate and score a batch of prompts (with dynamic sampling: rounds of them until the
-    step has its informative groups), then `learn` from it."""
-    cfg, timer = state.cfg, PhaseTimer()
-    batch, rounds = None, 0
-    while batch is None:
-        with timer("generate"):
-            scored = phases.generate(state, state.prompts.take(cfg.data.prompts_per_step),
-                                     round=rounds)
-        with timer("score"):
-            scored = phases.score(state, scored)
-        batch, dynamic = (scored, {}) if state.dynamic is None else state.dynamic.offer(scored)
-        rounds += 1
-    return learn(state, batch, timer) | dynamic
+def train_step(state: RunState, batch: Batch) -> dict[str, float] | None:
+    """One RL step from a scored rollout batch, whatever produced it (the rollout and reward
+    roles of any placement, or `RLTrainer`'s driver): prompt groups that arrived one by one
+    are put together, the scores become rewards, dynamic sampling pools informative groups
+    until a step has enough, groups older than ``train.max_staleness`` versions are
+    dropped, then `learn`. None when the batch makes no step (pooled, or none fresh)."""
+    extra: dict[str, float] = {}
+    if "group_key" in batch.meta:  # prompt groups that arrived one by one
+        batch, extra = assemble_groups(batch)
+        check_once(state, batch)
+    state.prompts.position += batch.info.get("prompts", 0)  # what a checkpoint records
+    batch = phases.with_scores(state, phases.mark_truncated(state.cfg, batch), batch["scores"])
+    if state.dynamic is not None:  # pool informative groups until a step has enough
+        batch, dynamic = state.dynamic.offer(batch)
+        if batch is None:
+            return None
+        extra |= dynamic
+    fresh, staleness = within_staleness(batch, state.weight_version, state.cfg.train.max_staleness)
+    extra = staleness | token_staleness(fresh if fresh is not None else batch,
+                                        state.weight_version) | extra
+    state.stale_dropped += staleness["rollout/stale_dropped"]
+    if fresh is None:  # nothing young enough to train on: no step
+        return None
+    state.step += 1
+    timer = PhaseTimer()
+    for phase in ("generate", "score"):  # timed where they ran
+        if f"time/{phase}" in fresh.info:
+            timer.seconds[phase] = fresh.info[f"time/{phase}"]
+    generated_with = min(fresh.meta["weight_version"])
+    metrics = learn(state, fresh, timer) | extra | {
+        "rollout/stale_dropped": state.stale_dropped,
+        "rollout/weight_version": float(generated_with),
+        "weight_version": float(state.weight_version)}
+    state.stale_dropped = 0.0
+    return metrics
+
+
+def check_once(state: RunState, batch: Batch) -> None:
+    """Every prompt group reaches the trainer once: a group in two batches, or twice in one
+    (more rows than samples per prompt), is a bug upstream, never trained on."""
+    from collections import Counter
+
+    rows = Counter(tuple(k) for k in batch.meta["group_key"])
+    n = state.cfg.rollout.n_samples_per_prompt
+    for key, count in rows.items():
+        if key in state.groups_seen or count > n:
+            raise RuntimeError(f"prompt group {key} (step, index) reached the trainer twice; "
+                               "a rollout handed it on more than once")
+    state.groups_seen.update(rows)
 
 
 def learn(state: RunState, batch, timer: "PhaseTimer") -> dict[str, float]:
@@ -62,25 +99,6 @@ def learn(state: RunState, batch, timer: "PhaseTimer") -> dict[str, float]:
         state.kl.update(kl, len(batch))
     state.last_batch = batch
     return metrics | rollout_metrics(state, batch) | timer.metrics(batch)
-
-
-def train(cfg: RLConfig, ctx: ParallelContext, stop=None) -> RunState:
-    """Run ``train.steps`` RL steps. ``stop`` (anything with ``should_stop(ctx)``, e.g. the
-    launcher's `StopSignal`): when every rank agrees to stop, save a checkpoint and raise
-    `StopRequested`."""
-    with initial_model_removed_on_failure(cfg, ctx):
-        state = build_run(cfg, ctx)
-        resume_or_warm_start(state)
-        while state.step < cfg.train.steps:
-            state.step += 1
-            run_step(state, stop)
-        finish(state)
-    return state
-
-
-def run_step(state: RunState, stop) -> None:
-    """One RL step and what follows it: validation, logs, samples, checkpoint, stop check."""
-    after_step(state, rl_step(state), stop)
 
 
 def after_step(state: RunState, metrics: dict[str, float], stop) -> None:
@@ -150,8 +168,8 @@ def sample_rows(batch, limit: int = 8) -> list[dict]:
 
 
 def finish(state: RunState) -> None:
-    """Summary line, reward-curve PNG, the engine closed (unless another process owns it),
-    the reward scorer's worker processes stopped."""
+    """Summary line, reward-curve PNG, the reward scorer's worker processes stopped (the
+    engines belong to their rollout roles, which close them)."""
     from mcore_rl.metrics_log import plot_reward_curve
 
     if state.is_controller:
@@ -164,8 +182,6 @@ def finish(state: RunState) -> None:
             print(f"mcore-rl: {state.step} steps; validation score {vals[0]:.2f} -> {vals[-1]:.2f}; "
                   f"train reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; metrics "
                   f"{state.log.dir / 'metrics.jsonl'}; plot {plot}", flush=True)
-        if state.owns_rollout:
-            state.rollout.close()
     state.reward.close()
 
 

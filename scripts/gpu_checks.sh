@@ -8,7 +8,8 @@
 #      the train engine on the GPU, the weight stream from a trainer whose weights live there,
 #      and SGLang where it is installed;
 #   2. the kernel benchmark on the GPU (OUT_DIR/bench_kernels.json);
-#   3. the quick start's GRPO run on one GPU under torchrun: Megatron actor on the GPU, the
+#   3. the quick start's GRPO run on one GPU under torchrun (the job's graph fused into the
+#      rank, without Ray, which the GPU machine may lack): Megatron actor on the GPU, the
 #      in-process HF engine (OUT_DIR/grpo_metrics.jsonl);
 #   4. the SFT and DPO quick starts on one GPU under torchrun.
 #

@@ -61,6 +61,9 @@ def no_rank_starts(monkeypatch):
     def trap(*args, **kwargs):
         raise AssertionError("a rank was started")
 
-    monkeypatch.setattr("mcore_rl.parallel.local_launch.run_ranks", trap)
-    monkeypatch.setattr("mcore_rl.cli.rank_main.rank_main", trap)
-    monkeypatch.setattr("mcore_rl.cli.train_graph.run_graph", trap)
+    import importlib
+
+    runtime = importlib.import_module("mcore_rl.flow.launch")  # the module, not the function
+    monkeypatch.setattr("mcore_rl.roles.graph.run_job", trap)
+    monkeypatch.setattr(runtime._Launch, "start_actors", trap)
+    monkeypatch.setattr("mcore_rl.flow.ray_shim.start_local", trap)

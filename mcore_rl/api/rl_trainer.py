@@ -1,23 +1,21 @@
 """`RLTrainer`: the single-controller view of a training run. The script that creates it is
-the driver; the trainer's ranks (TP x PP x DP) are the Ray actors of one Megatron worker
-group, each holding the same run as a rank of ``mcore-rl train`` (`RLWorker`; for the
-fine-tuning jobs sft, rm, dpo and kto, `FinetuneWorker`), and every call runs on all of
-them at once and returns rank 0's answer."""
+the driver; it starts the job's graph (`mcore_rl.roles.graph`) without streams between its
+controllers and calls them itself: `sample` the rollout role (`Generate.sample`), `update`
+the trainer role, the same `Train.__call__` (or, for the fine-tuning jobs sft, rm, dpo and
+kto, `FinetuneTrain.update`) that ``mcore-rl train`` runs, on every rank at once; each call
+returns rank 0's answer. ``rollout.placement`` places the engine as it does for ``mcore-rl
+train``: in a rollout controller of its own, or fused into the trainer's first rank."""
 from __future__ import annotations
 
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Sequence
 
 from mcore_rl.api.rollouts import Rollouts
-from mcore_rl.config import RLConfig, load_config, validate_config
-from mcore_rl.config.loader import config_to_dict
+from mcore_rl.config import RLConfig, load_config
 from mcore_rl.errors import UsageError
 
-JOBS = ("rl", "sft", "rm", "dpo", "kto")
-"""``train.job`` of the configs an `RLTrainer` runs."""
 ALGO_ALIASES = {"ppo": "gae"}
 """``algo=`` of `RLTrainer`: an advantage estimator's name (``grpo``, ``rloo``, ...), or
 ``ppo`` for GAE with a critic."""
@@ -28,21 +26,24 @@ class RLTrainer:
 
     ``RLTrainer(model="path/to/hf_model", algo="ppo", tp=2)`` builds a run from keyword
     arguments and ``overrides`` (``section.field=value``, as on the command line);
-    `from_config` from a YAML file. Building it validates the config (one-line
-    `UsageError`), starts Ray (a local cluster unless ``address`` or a running one is
-    given), starts the ranks and runs what the config asks for before the first step: the
-    warm start, or resuming from a checkpoint. Then:
+    `from_config` from a YAML file. Building it checks the config (one-line `UsageError`),
+    starts Ray (a local cluster unless ``address`` or a running one is given), starts the
+    graph's controllers and runs what the config asks for before the first step: the warm
+    start, or resuming from a checkpoint. Then:
 
     - `sample` (prompts -> `Rollouts`),
     - `update` (rewarded rollouts -> the step's metrics: advantages, losses, the optimizer
-      step and the weight sync into the engine),
+      step and the weight sync into the engine; then, as in ``mcore-rl train``, validation
+      and checkpoints when due),
     - `validate`, `save`, `close` (or use it as a context manager).
 
     Metrics of every update also go to ``<logging.dir>/metrics.jsonl``."""
 
     def __init__(self, model: str | None = None, algo: str = "grpo", tp: int = 1, pp: int = 1,
                  dp: int = 1, *, overrides: Sequence[str] = (), config: RLConfig | None = None,
-                 devices: Sequence[int] | None = None, address: str | None = None):
+                 address: str | None = None):
+        from mcore_rl.roles.rules import check_runnable, world_size_of
+
         if config is None:
             from mcore_rl.algos import ADVANTAGE_ESTIMATORS
 
@@ -57,57 +58,34 @@ class RLTrainer:
             config = load_config(None, base + list(overrides))
         # The script owns the console: no progress bar sized for train.steps from the ranks.
         config = replace(config, logging=replace(config.logging, progress_bar=False))
-        self.cfg = config
-        p = config.parallel
-        self.world_size = (p.dp or 1) * p.tp * p.pp
-        validate_config(config, world_size=self.world_size)
+        self.world_size = world_size_of(config)
+        self.cfg = check_runnable(config, self.world_size, driver="api")
         self.job = config.train.job
-        if self.job not in JOBS:
-            raise UsageError(f"RLTrainer runs train.job {', '.join(JOBS)}, not {self.job!r}; "
-                             f"run it with mcore-rl train")
-        if self.job == "rl":
-            from mcore_rl.rewards.reward_model import REWARD_MODEL
-            from mcore_rl.rl.setup import check_job
-
-            if config.reward.name == REWARD_MODEL:
-                raise UsageError("RLTrainer does not start the worker group that "
-                                 "reward.name=reward_model scores with: give update() rollouts "
-                                 "with their 'reward' (validate() scores with reward.name: set "
-                                 "a rule-based one), or run the config with mcore-rl train")
-            check_job(config)
-        else:
-            from mcore_rl.finetune.check import check_finetune_job
-
-            check_finetune_job(config)
-        self._group: Any = None
+        self._graph: Any = None
         self._stop_ray = None
-        self._start(devices, address)
+        self._step = 0
+        self._start(address)
 
     @classmethod
     def from_config(cls, path: str | Path, overrides: Sequence[str] = (), *,
-                    devices: Sequence[int] | None = None, address: str | None = None) -> "RLTrainer":
+                    address: str | None = None) -> "RLTrainer":
         """A trainer for the YAML config at ``path`` with ``section.field=value`` overrides."""
-        return cls(config=load_config(path, list(overrides)), devices=devices, address=address)
+        return cls(config=load_config(path, list(overrides)), address=address)
 
-    def _start(self, devices: Sequence[int] | None, address: str | None) -> None:
-        from mcore_rl.api.finetune_worker import FinetuneWorker
-        from mcore_rl.api.worker import RLWorker
-        from mcore_rl.flow import Megatron, factory, ray_shim
+    def _start(self, address: str | None) -> None:
+        from mcore_rl.flow import gpu_placement, ray_shim, start
+        from mcore_rl.rl.setup import initial_model_removed_on_failure
+        from mcore_rl.roles.graph import job_graph
 
         ray = ray_shim.require()
         if not ray.is_initialized():
             self._stop_ray = ray_shim.start_local(address=address, include_dashboard=False,
                                                   log_to_driver=True)
-        p = self.cfg.parallel
-        strategy = Megatron(tp=p.tp, pp=p.pp, dp=self.world_size // (p.tp * p.pp), vpp=p.vpp,
-                            seed=self.cfg.train.seed, threads_per_rank=p.cpu_threads_per_rank,
-                            backend=p.backend, ep=p.ep, etp=p.etp)
-        worker = RLWorker if self.job == "rl" else FinetuneWorker
-        spec = SimpleNamespace(function=factory(worker, config_to_dict(self.cfg)),
-                               num_workers=self.world_size,
-                               devices=tuple(devices) if devices is not None else None)
         try:
-            self._group = strategy(spec)
+            with initial_model_removed_on_failure(self.cfg, _DRIVER):
+                self.cfg, job = job_graph(self.cfg, gpus=gpu_placement.has_gpus(), driven=True)
+                self._graph = start(job.group)
+                self._step = self._graph.call("trainer", "info")["step"]
         except BaseException:
             self._shutdown_ray()
             raise
@@ -124,7 +102,7 @@ class RLTrainer:
                              "an rl trainer (train.job=rl)")
         if n is not None and n < 1:
             raise UsageError(f"sample: n must be >= 1, got {n}")
-        return Rollouts(self._call("sample", list(prompts), n, greedy))
+        return Rollouts(self._call("rollout", "sample", list(prompts), n, greedy, self._step + 1))
 
     def update(self, rollouts: Rollouts | Sequence[dict]) -> dict[str, float]:
         """One step; the step's metrics.
@@ -132,75 +110,98 @@ class RLTrainer:
         RL (``train.job: rl``): ``rollouts`` as `sample` returned them, with
         ``rollouts["reward"]`` set: log-probs, KL, values, advantages, the actor (and
         critic) update and the weight sync (``actor/*``, ``reward/*``, ``time/*``, ...).
-        Fine-tuning (sft, rm, dpo, kto): a list of records in the job's format (``prompt``
-        and ``completion`` or ``messages``; ``prompt, chosen, rejected``; ``prompt,
-        completion, label``; field names as ``finetune.*_key`` say): the frozen reference's
-        log-probs and one optimizer step (``loss``, ``rewards/*``, ``kto/kl``, ...)."""
+        Rollouts generated more than ``train.max_staleness`` weight versions ago are
+        refused. Fine-tuning (sft, rm, dpo, kto): a list of records in the job's format
+        (``prompt`` and ``completion`` or ``messages``; ``prompt, chosen, rejected``;
+        ``prompt, completion, label``; field names as ``finetune.*_key`` say): the frozen
+        reference's log-probs and one optimizer step (``loss``, ``rewards/*``, ``kto/kl``, ...)."""
         if self.job != "rl":
             if isinstance(rollouts, Rollouts) or not all(isinstance(r, dict) for r in rollouts):
                 raise UsageError(f"update of a {self.job} trainer takes a list of records (dicts "
                                  "in the job's format), not rollouts")
-            return self._call("update", list(rollouts))
+            metrics = self._call("trainer", "update", list(rollouts))
+            self._step += 1
+            return metrics
         if not isinstance(rollouts, Rollouts):
             raise UsageError(f"update takes the Rollouts that sample returned, not "
                              f"{type(rollouts).__name__}")
         scores = rollouts.scores()
+        self._check_fresh(rollouts)
         t = time.perf_counter()
-        metrics = self._call("update", rollouts.batch, scores)
+        metrics = self._call("trainer", "__call__", rollouts.batch.with_tensors(scores=scores))
         metrics["time/driver_update"] = time.perf_counter() - t
+        self._step += 1
         return metrics
+
+    def _check_fresh(self, rollouts: Rollouts) -> None:
+        """Refuse rollouts the staleness contract would drop whole (the update would be none)."""
+        info = self._call("trainer", "info")
+        oldest = min(rollouts.batch.meta["weight_version"])
+        if info["weight_version"] - oldest > info["max_staleness"]:
+            raise UsageError(f"update: these rollouts were generated with weight version {oldest}, "
+                             f"the trainer is at {info['weight_version']}, more than "
+                             f"train.max_staleness={info['max_staleness']} apart; sample again, or "
+                             "raise train.max_staleness")
 
     def validate(self) -> float | dict[str, float]:
         """RL: the mean reward (the config's reward function) of greedy responses to the
         config's validation prompts, logged as ``val/score``. Fine-tuning: the job's held-out
         metrics (``val/preference_accuracy``, ``val/reward_accuracy``, ``val/rm_accuracy``,
         ``val/loss``; ``val/score`` with ``finetune.val_score``), logged too."""
-        return self._call("validate")
+        return self._call("trainer", "validate")
 
     def save(self, path: str | Path | None = None) -> Path:
         """A checkpoint of the trained models and the run's state under ``path`` (default
         ``checkpoint.dir``); ``checkpoint.resume`` of a later run continues from it."""
-        return Path(self._call("save", None if path is None else str(path)))
+        return Path(self._call("trainer", "save", None if path is None else str(path)))
 
     @property
     def step(self) -> int:
-        return self._call("info")["step"]
+        return self._call("trainer", "info")["step"]
 
     @property
     def weight_version(self) -> int:
         """The version of the weights in the engine (1 after the initial sync, +1 per update)."""
-        return self._call("info")["weight_version"]
+        return self._call("trainer", "info")["weight_version"]
 
     @property
     def rank_processes(self) -> list[tuple[str, int]]:
-        """``(Ray node id, pid)`` of every rank, in rank order."""
-        if self._group is None:
+        """``(Ray node id, pid)`` of every rank, in rank order (and the trainer's controller)."""
+        if self._graph is None:
             raise UsageError("RLTrainer.rank_processes: the trainer is closed")
-        return self._group.processes()
+        return self._graph.processes("trainer")[1:]
 
     def close(self) -> None:
-        """Finish the run (summary, reward curve, engine closed) and stop the ranks."""
-        group, self._group = self._group, None
-        if group is not None:
+        """Finish the run (summary, reward curve, engine closed) and stop its processes."""
+        graph, self._graph = self._graph, None
+        if graph is not None:
             try:
-                group.invoke("close")
-                group.close()
+                graph.close()
             finally:
-                group.kill()
                 self._shutdown_ray()
 
-    def _call(self, method: str, *args: Any) -> Any:
-        if self._group is None:
+    def _call(self, role: str, method: str, *args: Any) -> Any:
+        from mcore_rl.flow import FlowError
+
+        if self._graph is None:
             raise UsageError(f"RLTrainer.{method}: the trainer is closed")
         try:
-            return self._group.invoke(method, *args)
-        except UsageError:
+            return self._graph.call(role, method, *args)
+        except FlowError as err:
+            if isinstance(err.cause, UsageError):  # bad input found by a rank: the run goes on
+                raise err.cause from None
+            self._kill()
             raise
         except BaseException:
-            group, self._group = self._group, None  # a failed rank leaves the world broken
-            group.kill()
-            self._shutdown_ray()
+            self._kill()
             raise
+
+    def _kill(self) -> None:
+        """A failed rank leaves the world broken: end every process."""
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            graph.kill()
+        self._shutdown_ray()
 
     def _shutdown_ray(self) -> None:
         stop, self._stop_ray = self._stop_ray, None
@@ -214,8 +215,15 @@ class RLTrainer:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_group", None) is not None:
+        if getattr(self, "_graph", None) is not None:
             try:
                 self.close()
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+
+class _Driver:
+    is_controller = True
+
+
+_DRIVER = _Driver()

@@ -1,13 +1,14 @@
 """`mcore-rl config show CONFIG [overrides]`: print the resolved, validated configuration."""
 from __future__ import annotations
 
-from mcore_rl.config import dump_yaml, load_config, validate_config
+from mcore_rl.config import dump_yaml, load_config
 
 
 def show(args) -> int:
     from mcore_rl.rl.job_check import check_registered_names
+    from mcore_rl.roles.rules import check_config
 
-    cfg = validate_config(load_config(args.config, args.overrides), world_size=args.world_size)
+    cfg = check_config(load_config(args.config, args.overrides), world_size=args.world_size)
     check_registered_names(cfg)
     print(dump_yaml(cfg), end="")
     return 0

@@ -1,143 +1,129 @@
-"""`mcore-rl launch slurm CONFIG [overrides] --nodes N (--gpus-per-node G | --procs-per-node P)`,
-or `mcore-rl launch slurm [options] --ray DRIVER.py [-- driver arguments]`.
+"""`mcore-rl launch slurm CONFIG [overrides] --nodes N [--gpus-per-node G] [--cpus-per-node C]`,
+or `mcore-rl launch slurm [options] DRIVER.py [-- driver arguments]`.
 
-Checks the request before anything reaches the cluster: the config must fit the world size
-(nodes x ranks per node), the data and checkpoint paths it reads must be usable from here
+Every job runs on Ray: the job script starts a Ray head on the first node and a Ray worker on
+every other (each with ports and a temp dir of its own, so jobs that share nodes do not
+collide), runs the driver once on the first node, and stops Ray when the job ends. The
+driver is ``mcore-rl train CONFIG [overrides]`` (the job's graph, its ranks and engines
+placed over the nodes' GPUs or cores) or a Python script (an `RLTrainer` script, a flow
+launch).
+
+Checks the request before anything reaches the cluster: the config must be runnable
+(`mcore_rl.roles.rules`) and its graph must fit N nodes of G GPUs (the same plan a launch
+makes), the data and checkpoint paths it reads must be usable from here
 (``--skip-path-checks`` when they exist only on the cluster), the cluster must have the
-partition (or a default one); then it
-renders the job script (``--dry-run`` prints it and stops), submits it and prints the job id
-and the log path. Command-line values override the config's ``launch`` section.
-
-With ``--ray`` the job runs a driver on Ray instead: a Ray head on the first node, a Ray
-worker on every other, the driver once on the first node. The driver is a Python script
-(an `RLTrainer` script, a flow launch; the positional arguments are the script and its
-arguments) or an RL config, run as ``mcore-rl train CONFIG [overrides]``: the RL graph,
-its trainer ranks placed over the nodes. Ray must be installed in this environment, and
-``--procs-per-node`` does not apply (the driver places its ranks itself).
+partition (or a default one); then it renders the job script (``--dry-run`` prints it and
+stops), submits it and prints the job id and the log path. Command-line values override the
+config's ``launch`` section. Ray must be installed in this environment.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from mcore_rl.config import load_config, validate_config
+from mcore_rl.config import load_config
 from mcore_rl.errors import UsageError
-from mcore_rl.rewards.reward_model import ON_RANK_LOOP, REWARD_MODEL
 
 
 def build_request(args):
-    """The `SbatchRequest` for ``args`` (config validated against the world size)."""
-    from mcore_rl.config.validate import validate_layout
+    """The `SbatchRequest` for ``args`` (the config checked against the nodes); a line
+    describing the job."""
     from mcore_rl.launch.sbatch import SbatchRequest
 
-    if args.ray:
-        return build_ray_request(args)
-    if args.run_dir is not None or args.cpus_per_node is not None:
-        raise UsageError("--run-dir and --cpus-per-node are for --ray jobs; mcore-rl train jobs "
-                         "take logging.dir and launch.cpus_per_node from the config")
-    if (args.gpus_per_node is None) == (args.procs_per_node is None):
-        raise UsageError("give exactly one of --gpus-per-node G (GPU nodes, one rank per GPU) or "
-                         "--procs-per-node P (CPU nodes)")
-    cfg = load_config(args.config, args.overrides)
-    if cfg.train.job == "rl" and cfg.reward.name == REWARD_MODEL:
-        raise UsageError(ON_RANK_LOOP)
-    launch = cfg.launch
-    nodes = launch.nodes if args.nodes is None else args.nodes
-    per_node = args.gpus_per_node if args.gpus_per_node is not None else args.procs_per_node
-    if nodes < 1 or per_node < 1:
-        raise UsageError(f"--nodes and ranks per node must be >= 1, got {nodes} and {per_node}")
-    world = nodes * per_node
-    try:
-        validate_config(cfg, world_size=world)
-        check_local_inputs(cfg, read_paths=not args.skip_path_checks)
-    except UsageError as err:
-        raise type(err)(f"{nodes} node(s) x {per_node} rank(s) = {world} ranks: {err}") from None
-    p = cfg.parallel
-    layout = f"TP{p.tp}xPP{p.pp}xDP{validate_layout(cfg, world)}"
-    req = SbatchRequest(
-        config=str(Path(args.config).resolve()), overrides=list(args.overrides),
-        run_dir=str(Path(cfg.logging.dir).resolve()), workdir=str(Path.cwd()),
-        python=sys.executable, nodes=nodes, procs_per_node=per_node,
-        gpus_per_node=args.gpus_per_node, cpus_per_node=launch.cpus_per_node,
-        threads_per_rank=p.cpu_threads_per_rank,
-        partition=args.partition if args.partition is not None else launch.partition,
-        time=args.time or launch.time,
-        account=args.account if args.account is not None else launch.account,
-        job_name=launch.job_name, signal_lead_s=launch.signal_lead_s)
-    return req, layout
-
-
-def build_ray_request(args):
-    """The `SbatchRequest` of a ``--ray`` job (the driver script checked here)."""
-    from mcore_rl.launch.sbatch import SbatchRequest
-
+    if args.procs_per_node is not None:
+        raise UsageError("--procs-per-node does not apply: the job's graph places its ranks on "
+                         "Ray (tp*pp*dp of the config); give --gpus-per-node G (GPU nodes) or "
+                         "--cpus-per-node C (CPU nodes)")
     script = Path(args.config)
     if script.suffix not in (".py", ".yaml", ".yml"):
-        raise UsageError(f"--ray runs a Python driver script or an mcore-rl train config, not "
-                         f"{args.config!r}")
+        raise UsageError(f"launch slurm runs an mcore-rl train config or a Python driver script, "
+                         f"not {args.config!r}")
     if not script.is_file():
         raise UsageError(f"{'config' if script.suffix != '.py' else 'driver script'} "
                          f"{args.config} not found")
-    if args.procs_per_node is not None:
-        raise UsageError("--procs-per-node does not apply to --ray jobs: the driver places its "
-                         "ranks on the Ray nodes itself; give --cpus-per-node or --gpus-per-node")
     ray = Path(sys.executable).parent / "ray"
     if not ray.exists():
-        raise UsageError(f"--ray needs Ray in this environment ({ray} not found): pip install ray")
+        raise UsageError(f"launch slurm runs jobs on Ray, which this environment lacks ({ray} "
+                         "not found): pip install ray")
     launch = load_config(None, []).launch
     nodes = launch.nodes if args.nodes is None else args.nodes
     cpus = launch.cpus_per_node if args.cpus_per_node is None else args.cpus_per_node
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else launch.gpus_per_node
     checks = [("--nodes", nodes, 1), ("--cpus-per-node", cpus, 0)]
-    if args.gpus_per_node is not None:
-        checks.append(("--gpus-per-node", args.gpus_per_node, 1))
+    if gpus is not None:
+        checks.append(("--gpus-per-node", gpus, 1))
     for name, value, least in checks:
         if value < least:
             raise UsageError(f"{name} must be >= {least}, got {value}")
     driver = [str(script.resolve()), *args.overrides]
     run_dir = Path(args.run_dir or f"runs/{script.stem}").resolve()
-    if script.suffix != ".py":  # mcore-rl train CONFIG as the driver: the RL graph on Ray
-        cfg = load_config(script, args.overrides)
-        if cfg.train.job != "rl":
-            raise UsageError(f"--ray runs RL jobs; train.job={cfg.train.job} runs with "
-                             "--procs-per-node or --gpus-per-node (no --ray)")
-        p = cfg.parallel
-        validate_config(cfg, world_size=(p.dp or 1) * p.tp * p.pp)
-        check_local_inputs(cfg, read_paths=not args.skip_path_checks)
+    threads = 1
+    what = f"driver {script.name}"
+    if script.suffix != ".py":  # mcore-rl train CONFIG as the driver: the job's graph
         if args.run_dir is not None:
-            raise UsageError("--run-dir is the driver script's; an mcore-rl train job writes to "
+            raise UsageError("--run-dir is a driver script's; an mcore-rl train job writes to "
                              "its logging.dir")
+        cfg = load_config(script, args.overrides)
+        launch = cfg.launch
+        nodes = launch.nodes if args.nodes is None else args.nodes
+        gpus = args.gpus_per_node if args.gpus_per_node is not None else launch.gpus_per_node
+        what = check_on_nodes(cfg, nodes, gpus, read_paths=not args.skip_path_checks)
         driver = ["-m", "mcore_rl.cli.main", "train", *driver]
         run_dir = Path(cfg.logging.dir).resolve()
+        threads = cfg.parallel.cpu_threads_per_rank
     req = SbatchRequest(
-        config="", run_dir=str(run_dir), workdir=str(Path.cwd()), python=sys.executable,
-        nodes=nodes, gpus_per_node=args.gpus_per_node, cpus_per_node=cpus,
+        driver=driver, run_dir=str(run_dir), workdir=str(Path.cwd()), python=sys.executable,
+        nodes=nodes, gpus_per_node=gpus, cpus_per_node=cpus, threads_per_rank=threads,
         partition=args.partition if args.partition is not None else launch.partition,
         time=args.time or launch.time,
         account=args.account if args.account is not None else launch.account,
-        job_name=launch.job_name, signal_lead_s=launch.signal_lead_s,
-        ray_driver=driver)
-    return req, f"Ray driver {script.name}"
+        job_name=launch.job_name, signal_lead_s=launch.signal_lead_s)
+    return req, what
 
 
-def check_local_inputs(cfg, read_paths: bool) -> None:
-    """What the job will read, checked here first: registered names, and (``read_paths``)
-    the data files and the checkpoint to resume from (the model is read by the layout check)."""
-    from mcore_rl.rl.job_check import check_registered_names
-    from mcore_rl.rl.setup import check_job
+def check_on_nodes(cfg, nodes: int, gpus_per_node: int | None, read_paths: bool) -> str:
+    """The config checked as ``mcore-rl train`` checks it (``read_paths``: also the data and
+    checkpoint paths, from here), and on GPU nodes its graph planned onto ``nodes`` nodes of
+    ``gpus_per_node`` GPUs (the plan a launch makes); a line describing the job."""
+    from mcore_rl.cli.train import describe
+    from mcore_rl.roles.rules import check_config, check_runnable, world_size_of
 
-    if cfg.train.job != "rl":
-        return
-    if read_paths:
-        check_job(cfg)
-    else:
-        check_registered_names(cfg)
+    world = world_size_of(cfg)
+    try:
+        if read_paths:
+            check_runnable(cfg, world)
+        else:
+            check_config(cfg, world)
+            if cfg.train.job == "rl":
+                from mcore_rl.rl.job_check import check_registered_names
+
+                check_registered_names(cfg)
+        if gpus_per_node:
+            plan_on_nodes(cfg, nodes, gpus_per_node)
+    except UsageError as err:
+        where = f"{nodes} node(s)" + (f" x {gpus_per_node} GPU(s)" if gpus_per_node else "")
+        raise type(err)(f"{where}: {err}") from None
+    return describe(cfg)
+
+
+def plan_on_nodes(cfg, nodes: int, gpus_per_node: int) -> None:
+    """Refuse a job whose graph does not fit ``nodes`` x ``gpus_per_node`` GPUs."""
+    from mcore_rl.flow.device_plan import Node, plan_devices
+    from mcore_rl.flow.gpu_placement import demands_of
+    from mcore_rl.flow.plan import build_plan
+    from mcore_rl.roles.graph import job_graph
+
+    _, job = job_graph(cfg, gpus=True, dry_run=True)
+    plan = build_plan(job.group, job.data is not None, None, max_in_flight=job.max_in_flight)
+    plan_devices(demands_of(plan.instances), [Node(f"node{i}", gpus_per_node) for i in range(nodes)])
 
 
 def run(args) -> int:
     from mcore_rl.launch import sbatch
 
-    req, layout = build_request(args)
+    req, what = build_request(args)
     if args.dry_run:
         print(sbatch.render_sbatch(req), end="")
         return 0
@@ -148,13 +134,9 @@ def run(args) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)  # SLURM does not create the log's directory
     job_id = sbatch.submit(script)
     (run_dir / f"slurm-{job_id}.sbatch").write_text(script)
-    if req.ray_driver:
-        print(f"mcore-rl launch: submitted job {job_id}: {req.nodes} node(s), {layout}, "
-              f"partition {req.partition}")
-    else:
-        ranks = f"{req.nodes} node(s) x {req.procs_per_node} rank(s)"
-        print(f"mcore-rl launch: submitted job {job_id}: {ranks}, layout {layout}, "
-              f"partition {req.partition}")
+    per_node = f" x {req.gpus_per_node} GPU(s)" if req.gpus_per_node else ""
+    print(f"mcore-rl launch: submitted job {job_id}: {req.nodes} node(s){per_node}, {what}, "
+          f"partition {req.partition}")
     print(f"  log:    {sbatch.log_file(req, job_id)}")
     print(f"  script: {run_dir / f'slurm-{job_id}.sbatch'}")
     print(f"  watch:  squeue -j {job_id}; checkpoint and requeue now: "
@@ -163,29 +145,30 @@ def run(args) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("launch", help="submit training to a cluster (SLURM)")
+    p = subparsers.add_parser("launch", help="submit a job to a cluster (SLURM, Ray on the nodes)")
     p.add_argument("scheduler", choices=["slurm"], help="cluster scheduler")
-    p.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml (with --ray: the "
-                                  "driver script)")
+    p.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml, or a Python "
+                                  "driver script")
     p.add_argument("overrides", nargs="*",
-                   help="section.field=value overrides (with --ray: the driver's arguments; "
-                        "after -- if they start with -)")
+                   help="section.field=value overrides (a driver script: its arguments, after "
+                        "-- if they start with -)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: launch.nodes)")
     p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="GPU nodes: GPUs per node, one rank each")
-    p.add_argument("--procs-per-node", type=int, default=None, help="CPU nodes: ranks per node")
+                   help="GPU nodes: GPUs per node (default: launch.gpus_per_node)")
+    p.add_argument("--cpus-per-node", type=int, default=None,
+                   help="CPUs per node for SLURM and Ray (default: launch.cpus_per_node)")
+    p.add_argument("--procs-per-node", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ray", action="store_true",
+                   help="accepted for older scripts: every job runs on Ray")
     p.add_argument("--partition", default=None, help="partition (default: launch.partition, "
                                                      "else the cluster's default)")
     p.add_argument("--time", default=None, help="time limit, e.g. 04:00:00 (default: launch.time)")
     p.add_argument("--account", default=None, help="account (default: launch.account)")
-    p.add_argument("--ray", action="store_true",
-                   help="run a driver script on a Ray cluster of the job's nodes (put the options "
-                        "before the script)")
-    p.add_argument("--cpus-per-node", type=int, default=None,
-                   help="--ray: CPUs per node for SLURM and Ray (default: launch.cpus_per_node)")
     p.add_argument("--run-dir", default=None,
-                   help="--ray: job log, stop file, MCORE_RL_RUN_DIR (default: runs/<script name>)")
+                   help="driver script: job log, stop file, MCORE_RL_RUN_DIR (default: "
+                        "runs/<script name>)")
     p.add_argument("--dry-run", action="store_true", help="print the job script, submit nothing")
     p.add_argument("--skip-path-checks", action="store_true",
                    help="do not read the data and resume paths here (they exist only on the cluster)")
     p.set_defaults(func=run)
+

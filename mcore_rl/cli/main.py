@@ -13,7 +13,7 @@ import sys
 from mcore_rl import __version__
 from mcore_rl.errors import UsageError
 
-SUBCOMMANDS = ("train", "convert", "bench", "launch", "config", "plan")
+SUBCOMMANDS = ("train", "convert", "bench", "launch", "placement", "config", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -165,7 +165,8 @@ def read_yaml(path: str | Path) -> dict:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLConfig:
     """Read a YAML file (or defaults) and apply overrides into a typed `RLConfig`.
 
-    Cross-field checks (layout vs model and world size) are in ``validate_config``.
+    Cross-field checks (layout vs model and world size) are in ``validate_config``; which
+    job, schedule and placement go together in ``mcore_rl.roles.rules``.
     """
     data = read_yaml(path) if path else {}
     data = apply_overrides(data, overrides or [])
@@ -174,6 +175,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict) -> RLConfig:
+    """The `RLConfig` of `config_to_dict`'s output (how a config travels to other processes)."""
+    return _build(RLConfig, data, "")
 
 
 def dump_yaml(cfg) -> str:

@@ -118,7 +118,6 @@ RANGES: dict[str, Range] = {
     "logging.log_every": COUNT,
     "logging.samples_every": Range(low=0, fix="0 turns sample logs off"),
     "launch.nodes": COUNT,
-    "launch.procs_per_node": COUNT,
     "launch.gpus_per_node": COUNT,
     "launch.cpus_per_node": Range(low=0, fix="0 takes ranks x parallel.cpu_threads_per_rank"),
     "launch.signal_lead_s": NON_NEGATIVE,

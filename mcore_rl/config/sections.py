@@ -98,21 +98,22 @@ class RolloutConfig:
     """Registered inference engine (`mcore_rl.engines.ENGINES`): vllm, sglang, hf (transformers,
     one prompt at a time), hf_batched (transformers, all prompts of a call as one batch: the
     fastest on CPU for tiny models)."""
-    placement: Literal["colocated", "separate"] = "colocated"
-    """colocated: engine and trainer time-share the same devices; separate: own devices."""
-    in_trainer: bool = False
-    """The engine lives in the trainer's first rank (verl's hybrid engine): one process, so
-    the weight sync is a copy in memory and a batch never travels between controllers.
-    ``mcore-rl train`` then runs the synchronous loop on local ranks, as under torchrun,
-    instead of the dataflow graph (``train.schedule: sync``, one replica, no reward-model
-    controller). Worth it where those hand-offs weigh: tiny models, few cores."""
+    placement: Literal["colocated", "separate", "fused"] = "colocated"
+    """Where the engines run against the trainer. colocated: a rollout controller of its own
+    that takes turns with the trainer on the same devices (the engine sleeps while the
+    trainer computes); separate: devices of its own, so generation can overlap training;
+    fused: the rollout and reward roles run in the trainer's first rank (verl's hybrid
+    engine): one process, in-process streams, the weight sync a copy in memory and no Ray
+    round trip per step; the synchronous schedule only. Worth it where the hand-offs weigh:
+    tiny models, few cores. With vLLM the fused engine is the blocking in-process one
+    (vLLM's ``AsyncLLM`` always starts an engine process of its own)."""
     engine_tp: int = 1
     """Tensor-parallel size of each engine replica."""
     replicas: int = 1
     """Engine replicas, each a rollout controller of its own with the whole model (on CPU
-    each pinned to its own core). One weight sync reaches all of them (the shared-file
-    transport maps one file into every replica); prompt groups go to whichever replica
-    takes them first, i.e. by load (``train.schedule: async``)."""
+    each pinned to its own cores, on GPUs given ``engine_tp`` GPUs of its own, or of the
+    trainer's when colocated). One weight sync reaches all of them; a step's prompt groups
+    go to whichever replica takes them first, i.e. by load, under every schedule."""
     partial_rollout: Literal["continue", "abort"] = "continue"
     """``train.schedule: async``: a response still being generated when new weights reach
     the engine. continue: its tokens so far are kept and it goes on under the new weights
@@ -431,14 +432,13 @@ class LoggingConfig:
 
 @dataclass
 class LaunchConfig:
-    """Where ranks run (SLURM or local)."""
+    """A SLURM job (``mcore-rl launch slurm``): Ray on its nodes, the job's graph placed there."""
 
     nodes: int = 1
     """Nodes to allocate."""
-    procs_per_node: int = 1
-    """Ranks per node (CPU clusters); ignored when gpus_per_node is set."""
     gpus_per_node: int | None = None
-    """GPUs (ranks) per node."""
+    """GPUs per node (GPU clusters); None: CPU nodes. The job's graph places its ranks and
+    engines on them (Ray placement groups)."""
     partition: str = ""
     """SLURM partition."""
     time: str = "01:00:00"
@@ -446,7 +446,7 @@ class LaunchConfig:
     account: str = ""
     """SLURM account."""
     cpus_per_node: int = 0
-    """CPU cores per node; 0: ranks x parallel.cpu_threads_per_rank (CPU), cluster default (GPU)."""
+    """CPU cores per node for SLURM and Ray; 0: the cluster's default."""
     job_name: str = "mcore-rl"
     """SLURM job name."""
     signal_lead_s: int = 300

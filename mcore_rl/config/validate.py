@@ -4,64 +4,43 @@ Each failure is a `ConfigError` with one line naming the field, the reason and t
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from mcore_rl.config.sections import RLConfig
 from mcore_rl.config.ranges import check_ranges
-from mcore_rl.errors import ConfigError, UsageError
+from mcore_rl.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the layout checks need to know about the model."""
+def inline_shape(cfg: RLConfig):
+    """The shape of a run's inline architecture (a run without ``model.path``); the shape of a
+    checkpoint comes from ``mcore_rl.models.shape.model_shape`` (config/ reads no model)."""
+    from types import SimpleNamespace
 
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    max_position_embeddings: int
-    num_experts: int = 0
-    """Routed experts per layer; 0 for a dense model."""
-    moe_intermediate_size: int = 0
-
-
-def model_shape(cfg: RLConfig) -> ModelShape:
-    """From the model's config.json when ``model.path`` is set, else the inline fields."""
     m = cfg.model
-    if not m.path:
-        return ModelShape(m.num_layers, m.num_attention_heads, m.num_kv_heads,
-                          m.max_position_embeddings, m.num_experts,
-                          m.moe_intermediate_size if m.num_experts else 0)
-    from mcore_rl.models.builtin import resolve_model_path
-    from mcore_rl.models.hf_config import spec_from_hf_config
+    return SimpleNamespace(num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                           num_kv_heads=m.num_kv_heads,
+                           max_position_embeddings=m.max_position_embeddings,
+                           num_experts=m.num_experts,
+                           moe_intermediate_size=m.moe_intermediate_size if m.num_experts else 0)
 
-    model_dir = resolve_model_path(m.path)
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"model.path: '{m.path}' has no config.json; point it at a HuggingFace "
-                          "checkpoint directory or a `mcore-rl convert hf-to-mcore` output")
-    try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"model.path: {config_file} is not valid JSON ({err.msg} at line "
-                          f"{err.lineno}); fix or replace the file") from None
-    try:
-        arch = spec_from_hf_config(hf).arch
-    except UsageError as err:
-        raise ConfigError(f"model.path: {m.path}: {err}") from None
-    return ModelShape(arch.num_layers, arch.num_attention_heads, arch.num_kv_heads,
-                      arch.max_position_embeddings, arch.num_experts, arch.moe_intermediate_size)
+
+def _shape(cfg: RLConfig, shape):
+    if shape is not None:
+        return shape
+    if cfg.model.path:
+        raise TypeError("validate_config: a run with model.path needs the model's shape "
+                        "(mcore_rl.models.shape.model_shape)")
+    return inline_shape(cfg)
 
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def validate_layout(cfg: RLConfig, world_size: int | None = None,
-                    shape: ModelShape | None = None) -> int:
-    """Check TP/PP/VPP/DP against the model and the world; returns the data-parallel size."""
-    p, shape = cfg.parallel, shape or model_shape(cfg)
+def validate_layout(cfg: RLConfig, world_size: int | None = None, shape=None) -> int:
+    """Check TP/PP/VPP/DP against the model (its ``shape``: the fields of
+    ``mcore_rl.models.shape.ModelShape``) and the world; returns the data-parallel size."""
+    p, shape = cfg.parallel, _shape(cfg, shape)
     for name in ("tp", "pp", "cpu_threads_per_rank"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
@@ -120,7 +99,7 @@ def _data_parallel_size(cfg: RLConfig, world_size: int) -> int:
     return world_size // model_parallel
 
 
-def _validate_experts(cfg: RLConfig, shape: ModelShape) -> None:
+def _validate_experts(cfg: RLConfig, shape) -> None:
     """parallel.ep / parallel.etp against the model's experts."""
     p = cfg.parallel
     if p.ep < 1 or (p.etp is not None and p.etp < 1):
@@ -145,11 +124,13 @@ def _validate_experts(cfg: RLConfig, shape: ModelShape) -> None:
                           f"{_divisors(shape.moe_intermediate_size)}")
 
 
-def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
-    """All checks that need no rank: ranges, layout, cross-field; raises `ConfigError` on
-    the first problem."""
+def validate_config(cfg: RLConfig, world_size: int | None = None, shape=None) -> RLConfig:
+    """The config's own checks: ranges, layout against the model's ``shape`` (default: the
+    inline architecture's), lengths and cross-field rules; raises `ConfigError` on the first
+    problem. Which jobs, schedules and placements can run together is checked in one place
+    above this (`mcore_rl.roles.rules`)."""
     check_ranges(cfg)
-    shape = model_shape(cfg)
+    shape = _shape(cfg, shape)
     dp = validate_layout(cfg, world_size, shape)
     replay = cfg.moe.routing_replay
     if replay != "off" and not shape.num_experts:
@@ -178,11 +159,6 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
                 f"rollout.max_prompt_tokens + environment.max_response_tokens = {r.max_prompt_tokens}"
                 f" + {env.max_response_tokens} exceeds the model's {shape.max_position_embeddings} "
                 "positions (max_position_embeddings); lower one of them")
-        if cfg.train.schedule == "async":
-            raise ConfigError(f"environment.name={env.name}: multi-turn rollouts run turn by turn "
-                              "over a batch, which train.schedule=async (prompt groups streamed "
-                              "through one engine) does not do yet; use train.schedule=sync or "
-                              "one_step_off")
     if generates and r.max_prompt_tokens + r.max_new_tokens > shape.max_position_embeddings:
         raise ConfigError(
             f"rollout.max_prompt_tokens + rollout.max_new_tokens = {r.max_prompt_tokens} + "
@@ -192,27 +168,6 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
     if o.min_lr > max(o.lr, o.critic_lr):
         raise ConfigError(f"optimizer.min_lr={o.min_lr:g} is above optimizer.lr={o.lr:g}; the "
                           "decay ends at min_lr: lower it")
-    t = cfg.train
-    if r.in_trainer and t.schedule != "sync":
-        raise ConfigError(f"rollout.in_trainer runs the synchronous loop with the engine in the "
-                          f"trainer's process; train.schedule={t.schedule} overlaps them on the "
-                          "dataflow graph: set rollout.in_trainer=false or train.schedule=sync")
-    if r.in_trainer and r.replicas > 1:
-        raise ConfigError(f"rollout.in_trainer holds one engine, in the trainer's first rank; "
-                          f"rollout.replicas={r.replicas} run as controllers of the dataflow graph: "
-                          "set rollout.in_trainer=false or rollout.replicas=1")
-    if r.replicas > 1 and r.placement != "separate":
-        raise ConfigError(f"rollout.replicas={r.replicas} runs each engine on cores of its own, "
-                          f"which rollout.placement={r.placement} (one engine taking turns with "
-                          "the trainer) does not; set rollout.placement=separate")
-    if r.replicas > 1 and t.schedule != "async":
-        raise ConfigError(f"rollout.replicas={r.replicas} spreads prompt groups over engines as "
-                          "they take them, which needs train.schedule=async; set it, or "
-                          "rollout.replicas=1")
-    if t.on_stale == "regenerate" and t.schedule != "async":
-        raise ConfigError(f"train.on_stale=regenerate needs train.schedule=async (the rollout "
-                          f"regenerates groups as it runs); with train.schedule={t.schedule} set "
-                          "train.on_stale=drop")
     a = cfg.algorithm
     if a.dynamic_sampling and cfg.train.job == "rl":
         if a.advantage_estimator not in GROUP_ESTIMATORS:
@@ -223,11 +178,6 @@ def validate_config(cfg: RLConfig, world_size: int | None = None) -> RLConfig:
         if r.n_samples_per_prompt < 2:
             raise ConfigError("algorithm.dynamic_sampling compares the samples of a prompt, but "
                               "rollout.n_samples_per_prompt=1; set it to 2 or more")
-    if t.schedule == "one_step_off":
-        if t.max_staleness < 1:
-            raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "
-                              f"old, but train.max_staleness={t.max_staleness} allows none; set "
-                              "train.max_staleness=1 (or more)")
     _validate_sandbox(cfg)
     validate_paths(cfg)
     return cfg
@@ -247,7 +197,7 @@ GROUP_ESTIMATORS = ("grpo", "rloo")
 """Advantage estimators that compare the samples of a prompt group."""
 
 
-def validate_finetune(cfg: RLConfig, shape: ModelShape, dp: int) -> None:
+def validate_finetune(cfg: RLConfig, shape, dp: int) -> None:
     """The supervised and preference jobs: lengths, batch against the layout, warm start."""
     f, p, job = cfg.finetune, cfg.parallel, cfg.train.job
     if f.max_length is not None and f.max_length > shape.max_position_embeddings:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from mcore_rl.data.prompts import PromptRecord
+from mcore_rl.data.records import PromptRecord
 from mcore_rl.data.tokenizer import CharTokenizer
 
 ALPHABET = "0123456789+*=[]?"

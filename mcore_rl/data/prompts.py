@@ -7,22 +7,12 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from mcore_rl.config import DataConfig
+from mcore_rl.data.records import PromptRecord
 from mcore_rl.errors import UsageError
 from mcore_rl.registry import Registry
-
-
-@dataclass
-class PromptRecord:
-    prompt: str
-    """Prompt text as given by the dataset (before any chat template)."""
-    meta: dict = field(default_factory=dict)
-    """What the reward function receives (e.g. ``answer``)."""
-    token_ids: tuple[int, ...] | None = None
-    """The prompt's token ids, when given as tokens (used as they are: no chat template)."""
 
 
 def read_rows(path: str | Path) -> list[dict]:

@@ -14,6 +14,7 @@ versions: it says so (`weight_version` is None, ``generate`` raises) until a syn
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -194,7 +195,7 @@ class RolloutEngine(ABC):
     # ----- request by request (continuous batching) -------------------------------------
     # submit -> step (repeatedly; finished requests come back) -> cancel (what is unfinished)
     # Between two steps the engine may take new weights; what then runs on is the caller's
-    # choice (`mcore_rl.api.continuous`).
+    # choice (`mcore_rl.roles.continuous`).
     continuous: bool = False
     """Whether the engine runs every submitted request at once, admitting new ones as others
     finish. The default runs them one after another, each to its end, in `step`."""
@@ -252,6 +253,32 @@ class RolloutEngine(ABC):
             self.reset_prefix_cache()
         finally:
             self.weight_version, self._torn = None, reason
+
+    def apply_update(self, version: int, manifests: list[dict], *,
+                     begin: tuple[str, int] | None = None, finish: bool = False,
+                     wake: bool = False) -> float:
+        """Several steps of a weight-update session in one call, so that an engine in another
+        process costs one round trip per call: with ``begin`` (path, nbytes) wake the weights
+        (``wake``) and start the session, then load ``manifests`` in order, then with
+        ``finish`` end it and wake the KV cache (``wake``). Seconds spent."""
+        start = time.perf_counter()
+        if begin is not None:
+            if wake:
+                self.wake_weights()
+            self.begin_update(*begin, version)
+        for manifest in manifests:
+            try:
+                self.load_bucket(manifest)
+            except Exception as err:
+                if len(manifests) == 1:
+                    raise
+                raise RuntimeError(f"bucket {manifest['bucket'] + 1}/{manifest['num_buckets']} "
+                                   f"({err})") from err
+        if finish:
+            self.finish_update(version)
+            if wake:
+                self.wake_kv_cache()
+        return time.perf_counter() - start
 
     @abstractmethod
     def _finish_session(self, complete: bool) -> None:

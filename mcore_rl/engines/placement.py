@@ -36,9 +36,10 @@ that replaced them at TP1, one later run of the same benchmark gave: engine star
 against 13.6 s inside the trainer, generation 106 against 35 tokens/s, one sync 0.45 s
 against 1.0 s, trainer step 4.4 s against 4.6 s, on a machine slower than that table's.)
 
-Both placements use that process layout; they differ in how cores are shared:
+Every placement uses that process layout; they differ in how cores are shared:
 
-- ``colocated``: engine and trainer time-share all cores. The engine's threads are bound to
+- ``colocated`` (and ``fused``, where the rollout role runs in the trainer's first rank and
+  starts the engine's processes from there): engine and trainer time-share all cores. The engine's threads are bound to
   all cores (split between engine TP ranks: ``"0-1"`` at TP1, ``"0|1"`` at TP2) and sit
   idle while the trainer runs; on GPU ``sleep()`` frees the KV cache (and offloads weights)
   between rollouts. vLLM's CPU backend has no sleep mode, so on CPU sleeping only fences
@@ -55,7 +56,7 @@ import os
 import warnings
 from dataclasses import dataclass
 
-PLACEMENTS = ("colocated", "separate")
+PLACEMENTS = ("colocated", "separate", "fused")
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ def plan_cpu_placement(placement: str, engine_tp: int, cpus: list[int] | None = 
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
     cpus = list(cpus or available_cpus())
+    if placement == "fused":  # the cores are shared as colocated ones are
+        placement = "colocated"
     if placement == "separate" and len(cpus) > engine_tp:
         engine_count = max(engine_tp, len(cpus) // 2)
         engine, trainer = cpus[:engine_count], cpus[engine_count:]

@@ -1,5 +1,7 @@
-"""The fine-tuning loop, shared by SFT, RM, DPO and KTO: batch -> frozen-model passes ->
-one optimizer step -> logs -> validation -> checkpoint -> stop check.
+"""The fine-tuning step, shared by SFT, RM, DPO, KTO and online DPO: batch -> frozen-model
+passes -> one optimizer step (`finetune_step`, `learn_from`), then logs, validation,
+checkpoint and the stop check (`after_step`); the trainer role of the job's graph
+(`mcore_rl.roles.finetune`) runs them step by step.
 
 Like the RL loop it resumes from the newest complete checkpoint (model, reference when a
 warm start made it, data position, losses), so a resumed run sees the same batches and logs
@@ -14,9 +16,7 @@ from pathlib import Path
 
 from mcore_rl.config import RLConfig
 from mcore_rl.errors import NonFiniteError, StopRequested
-from mcore_rl.finetune.setup import (FinetuneRun, build_finetune_run, copy_weights,
-                                     open_reference_cache)
-from mcore_rl.parallel import ParallelContext
+from mcore_rl.finetune.setup import FinetuneRun, copy_weights, open_reference_cache
 
 
 def finetune_step(run: FinetuneRun) -> dict[str, float]:
@@ -53,32 +53,24 @@ def learn_from(run: FinetuneRun, batch, t0: float, extra: dict | None = None) ->
             **cache, **online, "time/reference": t1 - t0, "time/step": seconds, "perf/tokens_per_s": tokens / seconds}
 
 
-def run_finetune(cfg: RLConfig, ctx: ParallelContext, stop=None) -> FinetuneRun:
-    """Run ``train.steps`` steps of the job ``train.job``. ``stop``: as for the RL loop (an
-    agreed stop saves a checkpoint and raises `StopRequested`)."""
-    from mcore_rl.rl.setup import initial_model_removed_on_failure
-
-    with initial_model_removed_on_failure(cfg, ctx):
-        run = build_finetune_run(cfg, ctx)
-        resume_or_start(run)
-        while run.step < cfg.train.steps:
-            run.step += 1
-            metrics = finetune_step(run)
-            if _validation_due(run):
-                metrics |= validate(run)
-            run.log.log(run.step, metrics, console=False)
-            if ctx.is_controller and run.step % cfg.logging.log_every == 0:
-                print(step_line(run.step, metrics), flush=True)
-            saved = None
-            if (cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0) \
-                    or run.step == cfg.train.steps:
-                saved = save(run)
-            if stop is not None and run.step < cfg.train.steps and stop.should_stop(ctx):
-                path = saved or save(run)
-                run.log.close()
-                raise StopRequested(run.step, path)
-        finish(run)
-    return run
+def after_step(run: FinetuneRun, metrics: dict[str, float], stop=None) -> None:
+    """What follows a step: validation when due, logs, the console line, a checkpoint when
+    due; ``stop`` (anything with ``should_stop(ctx)``, e.g. the launcher's `StopSignal`):
+    when every rank agrees to stop, save a checkpoint and raise `StopRequested`."""
+    cfg, ctx = run.cfg, run.ctx
+    if _validation_due(run):
+        metrics |= validate(run)
+    run.log.log(run.step, metrics, console=False)
+    if ctx.is_controller and run.step % cfg.logging.log_every == 0:
+        print(step_line(run.step, metrics), flush=True)
+    saved = None
+    if (cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0) \
+            or run.step == cfg.train.steps:
+        saved = save(run)
+    if stop is not None and run.step < cfg.train.steps and stop.should_stop(ctx):
+        path = saved or save(run)
+        run.log.close()
+        raise StopRequested(run.step, path)
 
 
 def validate(run: FinetuneRun) -> dict[str, float]:

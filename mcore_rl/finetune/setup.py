@@ -39,9 +39,9 @@ def load_examples(cfg: RLConfig, tokenizer: Tokenizer, split: str) -> tuple[list
 def max_length(cfg: RLConfig) -> int:
     """The longest prompt + completion a record may have (``finetune.max_length``, by default
     the model's positions)."""
-    from mcore_rl.config.validate import model_shape
+    from mcore_rl.models.shape import model_shape
 
-    return cfg.finetune.max_length or model_shape(cfg).max_position_embeddings
+    return cfg.finetune.max_length or model_shape(cfg.model).max_position_embeddings
 
 
 def trained_parts(cfg: RLConfig) -> list[str]:

@@ -7,8 +7,9 @@ On one node (the embedded local Ray) ranks go wherever Ray puts them, as they al
 On several, the ranks fill the nodes evenly in contiguous blocks, the calling process's
 node first: ranks 0..k-1 on the first node, k..2k-1 on the next (k = ceil(ranks / nodes)),
 so that neighbouring ranks (a TP group) share a node and rank 0, whose node the rendezvous
-address is on, runs beside its driver. Ranks reserve no Ray CPUs (each pins itself), so they
-are placed by node affinity, not by bundles of a placement group, which need resources."""
+address is on, runs beside its driver. On CPU ranks reserve no Ray CPUs (each pins itself),
+so they are placed by node affinity; on GPUs by bundles of placement groups
+(`mcore_rl.flow.gpu_placement`)."""
 from __future__ import annotations
 
 import argparse

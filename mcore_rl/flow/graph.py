@@ -55,11 +55,22 @@ def build_function(function: Any) -> Callable[[Any], Any]:
     return function
 
 
+@dataclass(frozen=True)
+class GPUs:
+    """``Controller.devices`` on GPU nodes: one GPU per process of the controller (per rank
+    of its worker group), from a Ray placement group (`mcore_rl.flow.gpu_placement`);
+    ``share``: the role whose GPUs it shares (colocated roles take turns on them)."""
+
+    per_process: int = 1
+    share: str | None = None
+
+
 @dataclass(eq=False)
 class Controller:
-    """One role of the graph: a function applied to each item of ``data_input`` (or of the
-    launch's ``data`` when it has none: a source), its results put into ``data_output``
-    (none: a sink). Adding the same configuration twice to a group runs two instances."""
+    """One role of the graph: a function applied to each item of ``data_input`` (or, for a
+    source, of its own ``data`` or the launch's ``data``), its results put into
+    ``data_output`` (none: a sink). Adding the same configuration twice to a group runs two
+    instances."""
 
     role: str
     function: Any
@@ -69,9 +80,10 @@ class Controller:
     data_output: DataStream | None = None
     num_workers: int = 1
     """Processes that run the function together (a worker group strategy); 1 for ``process``."""
-    devices: Sequence[int] | None = None
+    devices: Sequence[int] | GPUs | None = None
     """Cores (on CPU) this controller's processes are pinned to; controllers sharing a device
-    take turns, one function call at a time. None: no device, no reserved core."""
+    take turns, one function call at a time. `GPUs`: a GPU per process from a placement
+    group (on a Ray cluster with GPUs). None: no device, no reserved core."""
     strategy: Any = "process"
     """How the function runs: a name in `mcore_rl.flow.STRATEGIES` (``process``,
     ``worker_group``), ``module:attr``, or a strategy object such as
@@ -79,6 +91,17 @@ class Controller:
     batch_items: int = 1
     """Items merged into one call: ``Batch.cat`` for batches, a list otherwise; the last,
     partial group at end-of-stream is delivered too."""
+    data: Any = None
+    """A source's own data: an iterable (or a `Factory` that builds one in the controller's
+    process), read there item by item, paced by the launch's ``max_in_flight``: the items
+    never pass through the driver. ``launch(group, num_epochs)`` reads it that many times."""
+    fused_with: str | None = None
+    """The role (a controller of the group with one instance) whose process runs this
+    controller too: rank 0 of its worker group, or its process. The stream between them is
+    in-process (no Ray round trip), published objects are reached directly, and this
+    controller's calls happen in line with the other's (the ``fused`` placement of the RL
+    graph: rollout and reward in the trainer's first rank). A fused chain leads into that
+    role: each controller of it reads the stream the one before writes, or is the source."""
     streaming: bool = False
     """The function (or the object built from it) is called once, with the iterator of its
     input items (merged as ``batch_items`` says), and yields its outputs when they are
@@ -93,7 +116,7 @@ class Controller:
                              f"Factory or 'module:attr', got {type(self.function).__name__}")
         if self.batch_items < 1 or self.num_workers < 1:
             raise UsageError(f"controller '{self.role}': batch_items and num_workers must be >= 1")
-        if self.devices is not None:
+        if self.devices is not None and not isinstance(self.devices, GPUs):
             devices = tuple(self.devices)
             if not devices or len(set(devices)) != len(devices) or any(
                     not isinstance(d, int) or d < 0 for d in devices):
@@ -114,12 +137,24 @@ class Controller:
         if self.streaming and self.strategy != "process":
             raise UsageError(f"controller '{self.role}': a streaming function runs in one process "
                              f"(strategy 'process'), not {self.strategy}")
+        if self.data is not None and self.data_input is not None:
+            raise UsageError(f"controller '{self.role}' has both data and a data_input; a "
+                             "controller with its own data is a source")
+        if self.fused_with is not None and (self.num_workers != 1 or self.streaming
+                                            or self.devices is not None):
+            raise UsageError(f"controller '{self.role}' is fused with '{self.fused_with}': it "
+                             "runs in that role's process, one worker, not streaming, with "
+                             "that role's devices; drop num_workers, streaming and devices")
         if self.data_input is not None and self.data_input is self.data_output:
             raise UsageError(f"controller '{self.role}' reads and writes the same stream")
 
     @property
     def is_source(self) -> bool:
         return self.data_input is None
+
+    @property
+    def reads_own_data(self) -> bool:
+        return self.data is not None
 
     @property
     def is_sink(self) -> bool:

@@ -1,24 +1,29 @@
-"""`launch`: start a `ControllerGroup` on Ray, feed it, wait for it, tear it all down.
+"""`launch`: start a `ControllerGroup` on Ray, feed it, wait for it, tear it all down; and
+`start`: the same graph started for a driver that calls its controllers itself
+(`RunningGraph.call`, how `mcore_rl.RLTrainer` drives its roles).
 
-Every controller instance is an actor (`ControllerProcess`) that reserves no CPU of Ray's
-(devices are pinned by the process itself); the streams live in one `Hub` actor. The
-driver feeds the launch's ``data`` from a thread and waits on every instance at once, so
-the first failure, a raised exception or a dead process, ends the launch at once: every
-actor is killed with the processes it started, and `FlowError` names the instance."""
+Every controller instance is an actor (`ControllerProcess`); the streams live in one `Hub`
+actor. On CPU an actor reserves no CPU of Ray's (devices are cores, pinned by the process
+itself). Controllers whose devices are `GPUs` get bundles of Ray placement groups
+(`device_plan`, `gpu_placement`), checked against the cluster's GPUs before any group is
+created. The driver feeds the launch's ``data`` from a thread (sources with data of their
+own read it themselves) and waits on every instance at once, so the first failure, a raised
+exception or a dead process, ends the launch at once: every actor is killed with the
+processes it started, and `FlowError` names the instance."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any, Iterable
 
 from mcore_rl.errors import UsageError
 from mcore_rl.flow import ray_shim
-from mcore_rl.flow.controller import ControllerProcess, kill_process_group
+from mcore_rl.flow.controller import ControllerProcess
 from mcore_rl.flow.entries import pack
 from mcore_rl.flow.graph import ControllerGroup
 from mcore_rl.flow.hub import Hub
 from mcore_rl.flow.plan import FEED, InstanceSpec, Plan, build_plan
+from mcore_rl.flow.processes import alive, kill_process_group
 from mcore_rl.flow.stats import FlowStats
 from mcore_rl.flow.strategies import STRATEGIES
 
@@ -42,23 +47,25 @@ class FlowError(RuntimeError):
         it could be carried back; None when a process died."""
 
 
-def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
-           num_epochs: int | None = None, steps: int | None = None,
-           address: str | None = None, feed_buffer: int | None = None,
-           max_in_flight: int | None = None) -> FlowStats:
+def launch(group: ControllerGroup, num_epochs: int | None = None, data: Iterable[Any] | None = None,
+           *, steps: int | None = None, address: str | None = None,
+           feed_buffer: int | None = None, max_in_flight: int | None = None) -> FlowStats:
     """Run ``group`` to the end and return its stats.
 
-    ``data`` feeds the source controllers (no ``data_input``), each item to one source
-    instance, ``num_epochs`` times over (default 1; a one-shot iterator is read once).
-    ``steps`` stops the launch after that many calls of the sink controllers (no
-    ``data_output``); with ``steps`` and no ``num_epochs`` the data repeats until then.
-    Ray: joins the running one, else ``ray.init(address=address)`` (a local cluster when
-    None), shut down again at the end. ``feed_buffer``: items of ``data`` waiting for the
-    sources (default two per source). ``max_in_flight``: at most this many items of
-    ``data`` are fed and not yet finished by the sinks (a sink call finishes the items it
-    merged, ``batch_items``): 1 runs the graph one item at a time (a synchronous RL step),
-    K lets the sources run K - 1 items ahead."""
+    ``launch(group, num_epochs)``: the sources read their own ``data`` (`Controller.data`)
+    that many times (default 1). ``data`` feeds the sources that have none, each item to
+    one source instance. ``steps`` stops the launch after that many calls of the sink
+    controllers (no ``data_output``); with ``steps`` and no ``num_epochs`` the data repeats
+    until then. Ray: joins the running one, else ``ray.init(address=address)`` (a local
+    cluster when None), shut down again at the end. ``feed_buffer``: items of ``data``
+    waiting for the sources (default two per source). ``max_in_flight``: at most this many
+    items are read (or fed) and not yet finished by the sinks (a sink call finishes the
+    items it merged, ``batch_items``): 1 runs the graph one item at a time (a synchronous
+    RL step), K lets the sources run K - 1 items ahead."""
     ray = ray_shim.require()
+    if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, int)):
+        raise UsageError(f"launch(group, num_epochs): num_epochs must be an int, got "
+                         f"{type(num_epochs).__name__}; give data to feed as data=")
     if steps is None and num_epochs is None:
         num_epochs = 1
     if num_epochs is not None and num_epochs < 1:
@@ -67,13 +74,32 @@ def launch(group: ControllerGroup, data: Iterable[Any] | None = None, *,
         raise UsageError(f"num_epochs={num_epochs} reads data again, but it is a one-shot "
                          "iterator: give a list or another re-iterable")
     plan = build_plan(group, data is not None, steps, feed_buffer, max_in_flight)
-    for spec in plan.instances:
-        if isinstance(spec.strategy, str):
-            STRATEGIES.entry(spec.strategy)  # an unknown name fails here, before Ray starts
+    _check_strategies(plan)
     if ray.is_initialized():
         return _Launch(plan, steps, max_in_flight).execute(data, num_epochs)
     with ray_shim.local_ray(address=address, include_dashboard=False):
         return _Launch(plan, steps, max_in_flight).execute(data, num_epochs)
+
+
+def start(group: ControllerGroup) -> "RunningGraph":
+    """Start ``group``'s controllers (Ray must be running) for a driver that calls them
+    (`RunningGraph.call`) instead of streaming data through them; `RunningGraph.close`
+    ends them."""
+    plan = build_plan(group, False, None, driven=True)
+    _check_strategies(plan)
+    running = _Launch(plan, None)
+    try:
+        running.start_actors()
+    except BaseException:
+        running.teardown()
+        raise
+    return RunningGraph(running)
+
+
+def _check_strategies(plan: Plan) -> None:
+    for spec in plan.instances:
+        if isinstance(spec.strategy, str):
+            STRATEGIES.entry(spec.strategy)  # an unknown name fails here, before Ray starts
 
 
 def feed_entry_items(max_in_flight: int | None, sources: int) -> int:
@@ -86,6 +112,49 @@ def feed_entry_items(max_in_flight: int | None, sources: int) -> int:
     return max(1, max_in_flight // (2 * max(1, sources)))
 
 
+class RunningGraph:
+    """A started graph, driven call by call (`start`)."""
+
+    def __init__(self, launch: "_Launch"):
+        self._launch = launch
+
+    def call(self, role: str, method: str = "__call__", *args: Any, index: int = 0, **kwargs: Any) -> Any:
+        """``method(*args, **kwargs)`` of ``role``'s function (instance ``index``), wherever it
+        runs (every rank of a worker group: rank 0's answer); a failure is a `FlowError`."""
+        launch = self._launch
+        for i, spec in enumerate(launch.plan.instances):
+            if spec.index == index and role in spec.roles:
+                stage = None if role == spec.role else role
+                ref = launch.actors[i].invoke.remote(method, args, kwargs, stage)
+                return launch.wait_one(i, ref, "running")
+        raise UsageError(f"the graph has no controller '{role}' #{index}")
+
+    def processes(self, role: str | None = None) -> list[tuple[str, int]]:
+        """(node id, pid) of the processes started (of ``role``'s instances only)."""
+        return [p for spec, ps in zip(self._launch.plan.instances, self._launch.places)
+                if role is None or role in spec.roles for p in ps]
+
+    def close(self) -> None:
+        """Close every function (the engine, the run's summary), then end the processes."""
+        launch, self._launch = self._launch, None
+        if launch is None:
+            return
+        try:
+            launch.wait_all("close")
+        finally:
+            launch.teardown()
+
+    def kill(self) -> None:
+        """End every process now (after a failure: a broken world cannot close in order)."""
+        launch, self._launch = self._launch, None
+        if launch is not None:
+            launch.teardown()
+
+    @property
+    def closed(self) -> bool:
+        return self._launch is None
+
+
 class _Launch:
     """The actors of one launch and the driver's side of it."""
 
@@ -94,34 +163,77 @@ class _Launch:
         self.plan, self.steps, self.max_in_flight = plan, steps, max_in_flight
         self.hub: Any = None
         self.actors: list = []
-        self.processes: list[tuple[str, int]] = []
-        """(node id, pid) of every process started, for the teardown."""
+        self.reservation: Any = None
+        self.places: list[list[tuple[str, int]]] = []
+        """(node id, pid) of every process of each instance, for the teardown."""
         self.stopping = threading.Event()
         self.feed_error: BaseException | None = None
         self.feeder: threading.Thread | None = None
 
+    @property
+    def processes(self) -> list[tuple[str, int]]:
+        return [p for ps in self.places for p in ps]
+
     def execute(self, data: Iterable[Any] | None, num_epochs: int | None) -> FlowStats:
         start = time.perf_counter()
         try:
-            self.hub = ray_shim.actor_class(Hub).options(num_cpus=0).remote(
-                self.plan.streams, self.steps)
-            controller = ray_shim.actor_class(ControllerProcess)
-            self.actors = [controller.options(num_cpus=0, max_concurrency=4).remote(spec, self.hub)
-                           for spec in self.plan.instances]
-            self.processes += self._wait_all("where")
-            self.processes += [p for ps in self._wait_all("setup") for p in ps]
+            self.start_actors()
             if data is not None:
                 self.feeder = threading.Thread(target=self._feed, args=(data, num_epochs),
                                                daemon=True, name="flow-feeder")
                 self.feeder.start()
-            stats = self._wait_all("run", self.hub)
-            self._wait_all("close")
+            stats = [s for part in self.wait_all("run", self.hub, num_epochs) for s in part]
+            self.wait_all("close")
         finally:
-            self._teardown()
+            self.teardown()
         sinks = {s.role for s in self.plan.instances if s.output is None}
         return FlowStats.collect(stats, sinks, time.perf_counter() - start)
 
-    def _wait_all(self, method: str, *args: Any) -> list:
+    def start_actors(self) -> None:
+        """The hub, every instance's actor (in its GPU bundle, if any), its function built."""
+        from mcore_rl.flow.graph import GPUs
+
+        self.hub = ray_shim.actor_class(Hub).options(num_cpus=0).remote(
+            self.plan.streams, self.steps)
+        placed = self._reserve_gpus() if any(isinstance(s.devices, GPUs)
+                                             for s in self.plan.instances) else {}
+        controller = ray_shim.actor_class(ControllerProcess)
+        for i, spec in enumerate(self.plan.instances):
+            options, placements = placed.get(i, ({"num_cpus": 0}, None))
+            self.actors.append(controller.options(max_concurrency=4, **options).remote(
+                spec, self.hub, placements))
+        self.places = [[place] for place in self.wait_all("where")]
+        for mine, started in zip(self.places, self.wait_all("setup")):
+            mine += started
+
+    def _reserve_gpus(self) -> dict[int, tuple[dict, list[dict] | None]]:
+        """Placement groups for the instances with `GPUs`: per instance, the options of its
+        controller's actor and, for a worker group, of each rank."""
+        from mcore_rl.flow import gpu_placement
+        from mcore_rl.flow.device_plan import plan_devices
+
+        slots = plan_devices(gpu_placement.demands_of(self.plan.instances),
+                             gpu_placement.cluster_nodes())
+        self.reservation = gpu_placement.Reservation.make(slots)
+        out = {}
+        for i, spec in enumerate(self.plan.instances):
+            mine = gpu_placement.slots_of(slots, spec.role, spec.index)
+            if not mine:
+                continue
+            if spec.num_workers > 1:  # the ranks take the bundles; the controller none
+                out[i] = ({"num_cpus": 0}, [self.reservation.options(s) for s in mine])
+            else:  # the process in its first bundle; an engine's workers take all of them
+                out[i] = (self.reservation.options(mine[0], capture_child_tasks=True), None)
+        return out
+
+    def wait_one(self, i: int, ref: Any, phase: str) -> Any:
+        """``ray.get`` of one instance's call, its failure as a `FlowError`."""
+        try:
+            return ray_shim.get_all([ref])[0]
+        except Exception as err:  # noqa: BLE001 - every failure names its instance
+            raise _failure(self.plan.instances[i], phase, err) from None
+
+    def wait_all(self, method: str, *args: Any) -> list:
         """``method`` called on every instance; the results in instance order, or the
         first failure (or a failure of the data feeder) as a `FlowError`."""
         ray = self.ray
@@ -138,7 +250,7 @@ class _Launch:
                 try:
                     results[refs[ref]] = ray.get(ref)
                 except Exception as err:  # noqa: BLE001 - every failure names its instance
-                    raise _failure(spec, method, err) from None
+                    raise _failure(spec, _PHASES[method], err) from None
         return [results[i] for i in range(len(self.actors))]
 
     def _feed(self, data: Iterable[Any], num_epochs: int | None) -> None:
@@ -187,9 +299,9 @@ class _Launch:
             if not self.stopping.is_set():
                 self.feed_error = err
 
-    def _teardown(self) -> None:
+    def teardown(self) -> None:
         """Kill every actor and, on this node, every process group they lead; actors on
-        other nodes kill their own groups first."""
+        other nodes kill their own groups first. The placement groups go last."""
         ray = self.ray
         self.stopping.set()
         here = ray_shim.node_id()
@@ -201,31 +313,27 @@ class _Launch:
             ray.kill(actor, no_restart=True)
         local = [pid for node, pid in self.processes if node == here]
         deadline = time.monotonic() + KILL_WAIT_S  # Ray's own kill first: it logs no error
-        while any(_alive(pid) for pid in local) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in local) and time.monotonic() < deadline:
             time.sleep(0.02)
         for pid in local:  # then what they started (and any process that outlived the kill)
             kill_process_group(pid)
         if self.feeder is not None:
             self.feeder.join(timeout=5.0)
+        if self.reservation is not None:
+            self.reservation.release()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+_PHASES = {"where": "starting", "setup": "setting up", "run": "running", "close": "closing",
+           "invoke": "running"}
 
 
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _failure(spec: InstanceSpec, method: str, err: Exception) -> FlowError:
-    """The `FlowError` for ``spec`` from what ``ray.get`` of its ``method`` raised."""
+def _failure(spec: InstanceSpec, phase: str, err: Exception) -> FlowError:
+    """The `FlowError` for ``spec`` from what ``ray.get`` of one of its calls raised."""
     exceptions = ray_shim.require().exceptions
-    phase = {"where": "starting", "setup": "setting up", "run": "running",
-             "close": "closing"}[method]
     original = None
     if isinstance(err, exceptions.RayTaskError):
         cause = err

@@ -48,6 +48,14 @@ class MegatronSetup:
         _context = initialize_parallel(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep,
                                        etp=self.etp, seed=self.seed, backend=self.backend)
 
+    @staticmethod
+    def outside():
+        """What a fused (non-Megatron) stage on the rank runs inside: without the CPU layer's
+        torch function mode, which costs a Python call per torch operation."""
+        from mcore_rl.parallel import megatron_cpu_compat
+
+        return megatron_cpu_compat.suspended()
+
 
 @dataclass(frozen=True)
 class Megatron:
@@ -79,14 +87,22 @@ class Megatron:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
-    def __call__(self, spec):
+    def rank_setup(self, backend: str | None = None) -> MegatronSetup:
+        """What each rank runs after joining the world (``backend``: the world's)."""
+        from mcore_rl.parallel.initialize import default_backend
+
+        backend = backend or (default_backend() if self.backend == "auto" else self.backend)
+        return MegatronSetup(self.tp, self.pp, self.vpp, self.seed, backend, self.ep, self.etp)
+
+    def __call__(self, spec, placements: list[dict] | None = None):
         from mcore_rl.flow.worker_group import WorkerGroup
         from mcore_rl.parallel.initialize import default_backend
 
-        backend = default_backend() if self.backend == "auto" else self.backend
-        return WorkerGroup.start(spec, MegatronSetup(self.tp, self.pp, self.vpp, self.seed, backend,
-                                                     self.ep, self.etp),
-                                 threads=self.threads_per_rank, backend=backend)
+        backend = self.backend
+        if backend == "auto":  # ranks with GPU bundles: NCCL (this process may see no GPU)
+            backend = "nccl" if placements is not None else default_backend()
+        return WorkerGroup.start(spec, self.rank_setup(backend), threads=self.threads_per_rank,
+                                 backend=backend, placements=placements)
 
     def __str__(self) -> str:
         return f"Megatron(tp={self.tp}, pp={self.pp}, dp={self.dp})"

@@ -31,9 +31,12 @@ class ControllerStats:
     """Seconds waiting for a turn on devices shared with other controllers."""
     wall_s: float = 0.0
     """Seconds from the first input request to the end (a role: the longest instance)."""
+    round_trips: int = 0
+    """Ray round trips it waited on (`mcore_rl.flow.round_trips`): gets and fetches of its
+    input, pacing waits, and its function's calls on objects other processes published."""
 
     _SUMMED = ("instances", "items_in", "items_out", "puts", "calls", "busy_s", "blocked_in_s",
-               "blocked_out_s", "turn_wait_s")
+               "blocked_out_s", "turn_wait_s", "round_trips")
 
     @staticmethod
     def total(role: str, parts: list["ControllerStats"]) -> "ControllerStats":
@@ -70,14 +73,22 @@ class FlowStats:
         return cls(instances, {r: ControllerStats.total(r, parts) for r, parts in roles.items()},
                    steps=sum(s.calls for s in instances if s.role in sinks), wall_s=wall_s)
 
+    @property
+    def round_trips_per_step(self) -> float:
+        """Ray round trips of all roles per step (per sink call). In a synchronous graph
+        every role's work is in series, so this is a step's critical path in round trips."""
+        return sum(s.round_trips for s in self.roles.values()) / self.steps if self.steps else 0.0
+
     def instance(self, role: str, index: int = 0) -> ControllerStats:
         """The stats of one instance of ``role``."""
         return next(s for s in self.instances if s.role == role and s.index == index)
 
     def table(self) -> str:
         """One line per role: items, busy and blocked seconds."""
-        lines = [f"{'role':<16}{'n':>3}{'in':>7}{'out':>7}{'busy_s':>9}{'in_s':>8}{'out_s':>8}{'turn_s':>8}"]
+        lines = [f"{'role':<16}{'n':>3}{'in':>7}{'out':>7}{'busy_s':>9}{'in_s':>8}{'out_s':>8}"
+                 f"{'turn_s':>8}{'trips':>7}"]
         for s in self.roles.values():
             lines.append(f"{s.role:<16}{s.instances:>3}{s.items_in:>7}{s.items_out:>7}{s.busy_s:>9.2f}"
-                         f"{s.blocked_in_s:>8.2f}{s.blocked_out_s:>8.2f}{s.turn_wait_s:>8.2f}")
+                         f"{s.blocked_in_s:>8.2f}{s.blocked_out_s:>8.2f}{s.turn_wait_s:>8.2f}"
+                         f"{s.round_trips:>7}")
         return "\n".join(lines)

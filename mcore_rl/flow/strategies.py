@@ -1,17 +1,19 @@
 """How a controller's function runs: the registry `STRATEGIES`.
 
 A strategy is a callable ``spec -> Executor``, called once in the controller's process
-(`InstanceSpec`: function, num_workers, devices). The executor is then called once per
-item and returns the function's result. ``process`` runs the function in the controller's
-own process; ``worker_group`` runs it SPMD on ``num_workers`` processes that form one
-torch.distributed world and returns rank 0's result. A Megatron strategy (ranks that
-build a model with `mcore_rl.parallel` and train it) registers here the same way."""
+(`InstanceSpec`: function, num_workers, devices, the controllers fused into it). The
+executor runs the instance's item loop where the function runs (`run_loop`) and answers a
+driver's calls on the function (`invoke`). ``process`` runs the function in the
+controller's own process; ``worker_group`` runs it SPMD on ``num_workers`` processes that
+form one torch.distributed world and returns rank 0's result. A Megatron strategy (ranks
+that build a model with `mcore_rl.parallel` and train it) registers here the same way."""
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from mcore_rl.errors import UsageError
 from mcore_rl.flow.graph import build_function
+from mcore_rl.flow.item_loop import ItemLoop, Stage
 from mcore_rl.flow.placement import pin_to_cores
 from mcore_rl.flow.plan import InstanceSpec
 from mcore_rl.registry import Registry
@@ -39,10 +41,11 @@ def resolve_strategy(strategy: Any) -> Callable[[InstanceSpec], Executor]:
 
 
 class InProcess:
-    """The function, called in this process."""
+    """The function (and the controllers fused into it), called in this process."""
 
-    def __init__(self, function: Callable[[Any], Any]):
+    def __init__(self, function: Callable[[Any], Any], stages: list[Stage] | None = None):
         self.function = function
+        self.stages = stages or []
 
     def __call__(self, item: Any) -> Any:
         return self.function(item)
@@ -50,14 +53,23 @@ class InProcess:
     def processes(self) -> list[tuple[str, int]]:
         return []
 
-    def stream(self, items):
+    def stream(self, items: Iterator) -> Iterator:
         """A streaming function: called once with the input iterator; its outputs."""
         return self.function(items)
 
+    def run_loop(self, spec: InstanceSpec, hub: Any, num_epochs: int | None):
+        return ItemLoop(spec, hub, self.function, stream=self.stream, stages=self.stages).run(num_epochs)
+
+    def invoke(self, method: str, *args: Any, role: str | None = None, **kwargs: Any) -> Any:
+        target = self.function if role is None else \
+            next(s.function for s in self.stages if s.stats.role == role)
+        return getattr(target, method)(*args, **kwargs)
+
     def close(self) -> None:
-        close = getattr(self.function, "close", None)
-        if callable(close):
-            close()
+        for obj in [s.function for s in self.stages] + [self.function]:
+            close = getattr(obj, "close", None)
+            if callable(close):
+                close()
 
 
 @STRATEGIES.register("process")
@@ -66,13 +78,14 @@ def run_in_process(spec: InstanceSpec) -> Executor:
     if spec.num_workers != 1:
         raise UsageError(f"controller {spec.name}: strategy 'process' runs one process, "
                          f"num_workers={spec.num_workers} needs strategy 'worker_group'")
-    pin_to_cores(spec.devices)
-    return InProcess(build_function(spec.function))
+    pin_to_cores(spec.devices if isinstance(spec.devices, tuple) else None)
+    stages = [Stage(s.role, 0, build_function(s.function)) for s in spec.fused]
+    return InProcess(build_function(spec.function), stages)
 
 
 @STRATEGIES.register("worker_group")
-def run_as_worker_group(spec: InstanceSpec) -> Executor:
+def run_as_worker_group(spec: InstanceSpec, placements: list[dict] | None = None) -> Executor:
     """``num_workers`` processes in one torch.distributed world; rank 0's result."""
     from mcore_rl.flow.worker_group import WorkerGroup
 
-    return WorkerGroup.start(spec)
+    return WorkerGroup.start(spec, placements=placements)

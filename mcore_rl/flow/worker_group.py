@@ -1,31 +1,101 @@
 """The ``worker_group`` strategy: a controller's function run SPMD by ``num_workers``
 processes that form one torch.distributed world (gloo on CPU, NCCL on GPU).
 
-Each rank is a Ray actor pinned to its share of the controller's devices. The function is
-built on every rank; per item, every rank is called with the same item (one object-store
-reference) and the controller takes rank 0's result, as one controller drives one SPMD
-group. A rank that fails fails the call at once, whatever the others are doing. A driver
-may also call any method of the function's object on every rank at once (`WorkerGroup.
-invoke`): that is how `mcore_rl.RLTrainer` drives its ranks. On a Ray cluster of several
-nodes the ranks fill the nodes evenly, rank 0 on the caller's node (`cluster.rank_nodes`)."""
+Each rank is a Ray actor, pinned to its share of the controller's cores on CPU, or placed
+in a bundle of a placement group with a GPU of its own (`mcore_rl.flow.gpu_placement`),
+which it binds before the world starts. The function is built on every rank; the
+controllers fused into this one are built on rank 0, first (what they publish is there
+when the function looks it up). In a launch, rank 0 runs the controller's item loop
+(`mcore_rl.flow.item_loop`): it takes each item from the stream, runs the fused stages,
+and hands the call's input to the other ranks over their world (`follow`), so a batch
+reaches the ranks without passing through another process. A driver may also call any
+method of the function's object on every rank at once (`WorkerGroup.invoke`): that is how
+`mcore_rl.RLTrainer` drives its ranks. On a CPU cluster of several nodes the ranks fill the
+nodes evenly, rank 0 on the caller's node (`cluster.rank_nodes`)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from datetime import timedelta
 from typing import Any, Callable
 
-from mcore_rl.flow import ray_shim, services
+from mcore_rl.flow import ray_shim, round_trips, services
 from mcore_rl.flow.cluster import rank_nodes
 from mcore_rl.flow.graph import build_function
+from mcore_rl.flow.item_loop import ItemLoop, Stage
 from mcore_rl.flow.placement import pin_to_cores, split_devices
+from mcore_rl.flow.processes import kill_process_group, lead_process_group
 
 STORE_TIMEOUT = timedelta(minutes=30)
 """How long a rank waits on the world's store (joining, and every collective's setup)."""
 
 RankSetup = Callable[[int, int], None]
 """Run on every rank after it joined the world, before the function is built: ``(rank,
-world_size)``; e.g. the Megatron strategy's model-parallel state."""
+world_size)``; e.g. the Megatron strategy's model-parallel state. It may have an
+``outside()`` context manager: what fused (non-SPMD) stages run inside."""
+
+END = "<end of the loop>"
+"""What rank 0 hands the other ranks when its item loop has ended."""
+
+
+class RankRuntime:
+    """What a rank holds and runs, in whatever process hosts it (a Ray actor, or a rank of a
+    world started otherwise: `mcore_rl.flow.in_world`)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.function: Any = None
+        self.stages: list[Stage] = []
+        self.setup: Any = None
+
+    def build(self, function: Any, setup: RankSetup | None, world_size: int,
+              stages: tuple = ()) -> None:
+        """After the world started: ``setup``, the fused stages (rank 0), the function."""
+        if setup is not None:
+            setup(self.rank, world_size)
+        self.setup = setup
+        if self.rank == 0:
+            with self.outside():
+                self.stages = [Stage(s.role, 0, build_function(s.function), self.outside)
+                               for s in stages]
+        self.function = build_function(function)
+
+    def outside(self):
+        """The context fused stages run in (outside Megatron's CPU layer, for instance)."""
+        outside = getattr(self.setup, "outside", None)
+        return outside() if callable(outside) else contextlib.nullcontext()
+
+    def invoke(self, method: str, args: tuple, kwargs: dict, role: str | None = None) -> Any:
+        """``method(*args, **kwargs)`` of the function's object, or (``role``, rank 0) of a
+        fused stage's."""
+        if role is None:
+            return getattr(self.function, method)(*args, **kwargs)
+        stage = next(s for s in self.stages if s.stats.role == role)
+        with self.outside():
+            return getattr(stage.function, method)(*args, **kwargs)
+
+    def run_loop(self, spec: Any, hub: Any, num_epochs: int | None):
+        """The controller's item loop on rank 0 (its stats), `follow` on the others."""
+        if self.rank != 0:
+            follow(self.function)
+            return None
+        stats = ItemLoop(spec, hub, self._lead, stages=self.stages).run(num_epochs)
+        # Only after a loop that ended well: after a failure the others may wait in another
+        # collective, and the launch kills the group anyway.
+        handoff(END)
+        return stats
+
+    def _lead(self, item: Any) -> Any:
+        """Rank 0's call: the item to every rank, then the function here."""
+        handoff(item)
+        return self.function(item)
+
+    def close(self) -> None:
+        for obj in [s.function for s in self.stages] + [self.function]:
+            close = getattr(obj, "close", None)
+            if callable(close):
+                close()
 
 
 class RankProcess:
@@ -33,18 +103,22 @@ class RankProcess:
 
     def __init__(self, rank: int, world_size: int, devices: tuple[int, ...] | None,
                  threads: int | None = None, env: dict[str, str] | None = None,
-                 hub: Any = None):
-        if os.getpgid(0) != os.getpid():
-            os.setpgid(0, 0)
+                 hub: Any = None, gpu: bool = False):
+        lead_process_group()
         services.set_hub(hub)
         os.environ.update(env or {})
         self.rank, self.world_size = rank, world_size
+        self.local_device: int | None = None
+        if gpu:  # the GPU of its bundle, bound before the world starts (NCCL binds it)
+            from mcore_rl.flow.gpu_placement import bind_gpu
+
+            self.local_device = bind_gpu()
         pin_to_cores(devices)
         if threads is not None and not devices:
             import torch
 
             torch.set_num_threads(threads)
-        self.function: Any = None
+        self.runtime = RankRuntime(rank)
         self._store: Any = None
 
     def where(self) -> tuple[str, int]:
@@ -61,11 +135,11 @@ class RankProcess:
         return f"{host}:{self._store.port}"
 
     def start(self, address: str, function: Any, setup: RankSetup | None = None,
-              backend: str = "gloo") -> None:
+              backend: str = "gloo", stages: tuple = ()) -> None:
         import torch.distributed as dist
 
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
-                          LOCAL_RANK=str(self.rank))
+                          LOCAL_RANK=str(self.local_device or 0))
         store = self._store
         if store is None:
             host, port = address.rsplit(":", 1)
@@ -73,15 +147,20 @@ class RankProcess:
                                   timeout=STORE_TIMEOUT)
         dist.init_process_group(backend, store=store, rank=self.rank,
                                 world_size=self.world_size)
-        if setup is not None:
-            setup(self.rank, self.world_size)
-        self.function = build_function(function)
+        self.runtime.build(function, setup, self.world_size, stages)
 
     def call(self, item: Any) -> Any:
-        return self.function(item)
+        return self.runtime.function(item)
 
-    def invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.function, method)(*args, **kwargs)
+    def invoke(self, method: str, args: tuple, kwargs: dict, role: str | None = None) -> Any:
+        return self.runtime.invoke(method, args, kwargs, role)
+
+    def run_loop(self, spec: Any, hub: Any, num_epochs: int | None):
+        return self.runtime.run_loop(spec, hub, num_epochs)
+
+    def serve(self, name: str, attr: str, args: tuple | None, kwargs: dict | None) -> Any:
+        """A call on an object this rank published (`mcore_rl.flow.publish`)."""
+        return services.serve(name, attr, args, kwargs)
 
     def kill_group(self) -> None:
         """Kill this rank and the process group it leads (what it started), on its node."""
@@ -90,11 +169,27 @@ class RankProcess:
     def stop(self) -> None:
         import torch.distributed as dist
 
-        close = getattr(self.function, "close", None)
-        if callable(close):
-            close()
+        self.runtime.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def handoff(item: Any) -> Any:
+    """Rank 0: send ``item`` to every rank of the world; elsewhere: receive it."""
+    import torch.distributed as dist
+
+    box = [item]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def follow(function: Callable[[Any], Any]) -> None:
+    """A rank other than 0: call ``function`` on every input rank 0 hands over, until the end."""
+    while True:
+        item = handoff(None)
+        if isinstance(item, str) and item == END:
+            return
+        function(item)
 
 
 class WorkerGroup:
@@ -105,24 +200,31 @@ class WorkerGroup:
 
     @classmethod
     def start(cls, spec, setup: RankSetup | None = None, threads: int | None = None,
-              backend: str = "gloo", env: dict[str, str] | None = None) -> "WorkerGroup":
+              backend: str = "gloo", env: dict[str, str] | None = None,
+              placements: list[dict] | None = None) -> "WorkerGroup":
         """``spec.num_workers`` ranks on ``spec.devices`` (an `InstanceSpec`, or anything
-        with ``function``, ``num_workers`` and ``devices``), joined into one world."""
+        with ``function``, ``num_workers`` and ``devices``), joined into one world, with the
+        controllers fused into it on rank 0. ``placements``: Ray options per rank (a GPU
+        bundle each); default: CPU cores (``spec.devices``), ranks spread over the nodes."""
         actor = ray_shim.actor_class(RankProcess)
-        shares = split_devices(spec.devices, spec.num_workers)
         hub = services.current_hub()
+        gpu = placements is not None
+        if gpu:
+            shares, options = [None] * spec.num_workers, placements
+        else:
+            shares = split_devices(spec.devices, spec.num_workers)
+            options = [{"num_cpus": 0, **ray_shim.on_node(node)}
+                       for node in rank_nodes(spec.num_workers)]
         # One thread per rank (Ray's default): Megatron's CPU layer is a per-thread torch
         # function mode, entered on the actor's main thread.
-        # On a cluster of several nodes the ranks fill them evenly (`cluster.rank_nodes`).
-        nodes = rank_nodes(spec.num_workers)
-        ranks = [actor.options(num_cpus=0, **ray_shim.on_node(node)).remote(
-                     rank, spec.num_workers, share, threads, env, hub)
-                 for rank, (share, node) in enumerate(zip(shares, nodes))]
+        ranks = [actor.options(**opts).remote(rank, spec.num_workers, share, threads, env, hub, gpu)
+                 for rank, (share, opts) in enumerate(zip(shares, options))]
         group = cls(ranks, [])
         try:
             group.places = ray_shim.get_all([r.where.remote() for r in ranks])
             address = ray_shim.require().get(ranks[0].rendezvous.remote())
-            ray_shim.get_all([r.start.remote(address, spec.function, setup, backend)
+            stages = getattr(spec, "fused", ())
+            ray_shim.get_all([r.start.remote(address, spec.function, setup, backend, stages)
                               for r in ranks])
         except BaseException:
             group.kill()
@@ -130,15 +232,29 @@ class WorkerGroup:
         return group
 
     def __call__(self, item: Any) -> Any:
+        round_trips.add()
         ref = ray_shim.require().put(item)
         return ray_shim.get_all([r.call.remote(ref) for r in self.ranks])[0]
 
-    def invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``method(*args, **kwargs)`` of the function's object on every rank; rank 0's result."""
+    def run_loop(self, spec: Any, hub: Any, num_epochs: int | None):
+        """The controller's item loop on the ranks (see the module doc); rank 0's stats."""
+        return ray_shim.get_all([r.run_loop.remote(spec, hub, num_epochs) for r in self.ranks])[0]
+
+    def invoke(self, method: str, *args: Any, role: str | None = None, **kwargs: Any) -> Any:
+        """``method(*args, **kwargs)`` of the function's object on every rank; rank 0's result.
+        ``role``: of the fused controller ``role``'s function instead (on rank 0, its home)."""
+        if role is not None:
+            return self.invoke_stage(role, method, *args, **kwargs)
         ray = ray_shim.require()
+        round_trips.add()
         args_ref, kwargs_ref = ray.put(args), ray.put(kwargs)
         return ray_shim.get_all([r.invoke.remote(method, args_ref, kwargs_ref)
                                  for r in self.ranks])[0]
+
+    def invoke_stage(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` of the fused controller ``role``'s function, on rank 0 (its home)."""
+        round_trips.add()
+        return ray_shim.require().get(self.ranks[0].invoke.remote(method, args, kwargs, role))
 
     def processes(self) -> list[tuple[str, int]]:
         return list(self.places)
@@ -156,8 +272,6 @@ class WorkerGroup:
 
     def kill(self) -> None:
         """Every rank's actor and the process groups they lead (engines they started)."""
-        from mcore_rl.flow.controller import kill_process_group
-
         ray = ray_shim.require()
         here = ray_shim.node_id()
         remote = [r for r, (node, _) in zip(self.ranks, self.places) if node != here]

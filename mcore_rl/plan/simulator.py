@@ -4,7 +4,7 @@ prompt feed -> engine replicas -> reward -> trainer, with a weight sync after ev
     result = simulate(costs, "async", k=2, replicas=4, steps=40)
     result.trained_tokens_per_s, result.staleness_max, result.groups_dropped
 
-The rules are the runtime's (`mcore_rl.api.rl_graph`, `mcore_rl.api.continuous`,
+The rules are the runtime's (`mcore_rl.roles.graph`, `mcore_rl.roles.continuous`,
 `mcore_rl.rl.staleness`):
 
 - the feed admits prompt groups while fewer than (K+1)*P are unfinished: not yet through

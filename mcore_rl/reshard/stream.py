@@ -6,14 +6,16 @@ attached) and calls `sync` after each step. The *controller* (global rank 0 by d
 holds the engines; the other ranks only write. How the bytes reach the engines is the
 transport's business (`mcore_rl.reshard.transports`); this module runs the session:
 
-1. controller: ``begin_update`` on every engine with the transport's file;
-2. per bucket k (the engine modules it completes): each rank runs its copies of bucket k
+1. per bucket k (the engine modules it completes): each rank runs its copies of bucket k
    (`PieceWriter`, checksumming as it copies) and the transport delivers them; the
    checksums go to the controller (a few hundred bytes). The controller waits until the
    engines have loaded bucket k-1, hands bucket k to a loader thread (every engine checks,
    then loads it) and broadcasts the verdict on k-1, which frees k-1's half of the file:
    writers fill bucket k+1 while the engines load bucket k (``overlap``);
-3. controller: after the last load, ``finish_update`` on every engine.
+2. each engine gets one call per bucket (`RolloutEngine.apply_update`): the first also
+   starts the session on the transport's file, the last also ends it; where the transport
+   keeps every bucket in its file (the shared transport), one call loads them all, so a
+   sync is one round trip into an engine of another process.
 
 Any failure (a writer raising, a checksum mismatch, an engine error, parameters that moved
 out of the transport's memory) ends the session on every engine (``abort_update``: the
@@ -161,36 +163,30 @@ class WeightSync:
 
     # ----- one sync -------------------------------------------------------------------
     @torch.no_grad()
-    def sync(self, version: int, *, bucket_hook: BucketHook | None = None) -> SyncStats:
-        """Stream the current weights into every engine as ``version`` (collective)."""
+    def sync(self, version: int, *, bucket_hook: BucketHook | None = None,
+             wake: bool = False) -> SyncStats:
+        """Stream the current weights into every engine as ``version`` (collective);
+        ``wake``: the engines' weights are woken first and their KV caches last (colocated).
+        Each engine gets one call per bucket, the session's start and end folded into the
+        first and last; a transport that keeps every bucket (`Transport.holds_all`) one call
+        for the whole sync."""
         plan, is_controller = self.plan, self.rank == self.controller
         stats = SyncStats(version, len(plan.buckets), plan.total_nbytes)
         start = time.perf_counter()
-        error = None
-        if is_controller:
-            try:
-                for engine in self.engines:
-                    engine.begin_update(self.path, self.channel.nbytes, version)
-            except Exception as err:  # noqa: BLE001
-                error = self._abort(version, f"the start of the session ({err})")
+        session = _Session(self, version, wake)
         loader = ThreadPoolExecutor(1, thread_name_prefix="reshard-load") if is_controller else None
         try:
-            self._verdict(error)
             views = self.local_views()
             loading: Future | None = None
             for k in range(len(plan.buckets)):
-                loading = self._one_bucket(k, views, version, stats, bucket_hook, loader, loading)
+                loading = self._one_bucket(k, views, session, stats, bucket_hook, loader, loading)
             error = None
             if is_controller:
                 error = self._wait(loading, version, len(plan.buckets), stats)
-                if error is None:
-                    t0 = time.perf_counter()
-                    try:
-                        for engine in self.engines:
-                            engine.finish_update(version)
-                    except Exception as err:  # noqa: BLE001
-                        error = self._abort(version, f"the end of the session ({err})")
-                    stats.apply_s += time.perf_counter() - t0
+                if error is None and session.held:  # every bucket, in one call per engine
+                    loading = loader.submit(session.load, session.held, True)
+                    session.held = []
+                    error = self._wait(loading, version, None, stats)
             self._verdict(error)
         finally:
             if loader is not None:
@@ -198,11 +194,13 @@ class WeightSync:
         stats.total_s = time.perf_counter() - start
         return stats
 
-    def _one_bucket(self, k: int, views: dict, version: int, stats: SyncStats,
+    def _one_bucket(self, k: int, views: dict, session: "_Session", stats: SyncStats,
                     hook: BucketHook | None, loader, loading: Future | None) -> Future | None:
-        """Write bucket k, hand it to the loader; returns the (controller's) pending load."""
+        """Write bucket k, hand it to the loader (or hold it for the one call at the end);
+        returns the (controller's) pending load."""
         t0 = time.perf_counter()
         mine, failure = {}, None
+        version = session.version
         try:
             if k == 0:
                 self.channel.check_sources()
@@ -229,32 +227,31 @@ class WeightSync:
                     manifest = self.plan.manifest(k, sums, version, self.writer.algorithm)
                     if hook is not None:
                         hook(k, self.channel.buffer, manifest)
-                    loading = loader.submit(self._load, manifest)
+                    if self.channel.holds_all:
+                        session.held.append(manifest)
+                    else:
+                        loading = loader.submit(session.load, [manifest],
+                                                k == len(self.plan.buckets) - 1)
                 except Exception as err:  # noqa: BLE001 - raised on every rank below
                     error = self._abort(version, f"{where} ({err!r})")
                 else:
-                    if not self.overlap:  # bucket k is loaded before anyone writes k+1
+                    if loading is not None and not self.overlap:  # loaded before k+1 is written
                         error = self._wait(loading, version, k + 1, stats)
                         loading = None
         self._verdict(error)
         return loading
 
-    def _load(self, manifest: dict) -> float:
-        """Loader thread (controller): every engine checks and loads one bucket."""
-        start = time.perf_counter()
-        for engine in self.engines:
-            engine.load_bucket(manifest)
-        return time.perf_counter() - start
-
-    def _wait(self, loading: Future | None, version: int, bucket: int,
+    def _wait(self, loading: Future | None, version: int, bucket: int | None,
               stats: SyncStats) -> str | None:
-        """Wait for the load of ``bucket`` (1-based) to end; the abort message if it failed."""
+        """Wait for the load of ``bucket`` (1-based; None: of every bucket, whose error names
+        the one that failed) to end; the abort message if it failed."""
         if loading is None:
             return None
         try:
             elapsed = loading.result()
         except Exception as err:  # noqa: BLE001
-            return self._abort(version, f"bucket {bucket}/{len(self.plan.buckets)} ({err})")
+            where = str(err) if bucket is None else f"bucket {bucket}/{len(self.plan.buckets)} ({err})"
+            return self._abort(version, where)
         stats.apply_s += elapsed
         stats.per_bucket_apply_s.append(elapsed)
         return None
@@ -275,6 +272,27 @@ class WeightSync:
         error = broadcast_verdict(error, self.controller, self.group, self._flag_device)
         if error is not None:
             raise WeightSyncError(error)
+
+
+class _Session:
+    """One sync's calls into the engines (controller): the first carries the session's start
+    (and the weights' wake), the last its end (and the KV cache's wake)."""
+
+    def __init__(self, sync: WeightSync, version: int, wake: bool):
+        self.sync, self.version, self.wake = sync, version, wake
+        self.begun = False
+        self.held: list[dict] = []
+        """Manifests kept for the one call at the end (`Transport.holds_all`)."""
+
+    def load(self, manifests: list[dict], last: bool) -> float:
+        """Loader thread: every engine checks and loads ``manifests``; seconds spent."""
+        sync = self.sync
+        begin = None if self.begun else (sync.path, sync.channel.nbytes)
+        self.begun = True
+        start = time.perf_counter()
+        for engine in sync.engines:
+            engine.apply_update(self.version, manifests, begin=begin, finish=last, wake=self.wake)
+        return time.perf_counter() - start
 
 
 def _attach(engines: list, channel: Transport, setup: TransportSetup) -> None:

@@ -1,7 +1,7 @@
 """``reward.name: reward_model``: a trained reward model's score as the reward.
 
 The model runs in a Megatron worker group of its own (``reward.rm_tp/rm_pp/rm_dp``), a
-controller of ``mcore-rl train``'s RL graph (`mcore_rl.api.reward_model_role`); the
+controller of ``mcore-rl train``'s RL graph (`mcore_rl.roles.reward_model`); the
 scoring itself is `mcore_rl.rl.reward_model`. This module holds what needs no model: where
 the checkpoint is and what it is (`resolve_reward_model`), the checks made before any rank
 starts (`check_reward_model`), and how texts become the model's tokens (`encode_exchanges`).
@@ -45,15 +45,10 @@ if TYPE_CHECKING:
 
 REWARD_MODEL = "reward_model"
 
-ON_RANK_LOOP = ("reward.name=reward_model scores with a worker group of its own, which the "
-                "rank loop (torchrun/srun, or rollout.in_trainer) does not start: run mcore-rl "
-                "train CONFIG without a launcher and rollout.in_trainer=false, or mcore-rl "
-                "launch slurm CONFIG --ray")
-
 IN_PROCESS = ("reward 'reward_model' scores with a worker group of its own, a controller of "
-              "mcore-rl train's RL graph (train.job: rl, run without a launcher); it cannot "
-              "score here (the rank loop, RLTrainer, a fine-tuning job or one of reward.weights): "
-              "use a rule-based reward or your own function here")
+              "mcore-rl train's RL graph (train.job: rl); it cannot score here (RLTrainer, a "
+              "fine-tuning job or one of reward.weights): use a rule-based reward or your own "
+              "function here")
 
 
 def _refuse_in_process(fn, cfg):

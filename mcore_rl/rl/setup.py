@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -40,7 +40,8 @@ class RunState:
     critic: TrainEngine | None
     """The value model (estimators that need a critic)."""
     rollout: RolloutEngine | None
-    """The rollout engine (controller rank only)."""
+    """The first rollout engine (controller rank only): a rollout role's, reached directly
+    when fused into this rank, else through a proxy."""
     sync: WeightSync
     """Streams the actor's weights into the rollout engine (every rank)."""
     prompts: PromptStream
@@ -55,8 +56,10 @@ class RunState:
     weight_version: int = 0
     last_batch: Batch | None = None
     """The latest step's rollout batch (for sample logs)."""
-    owns_rollout: bool = True
-    """The run started ``rollout`` (and closes it); False for an engine another process owns."""
+    stale_dropped: float = 0.0
+    """Samples dropped as too stale since the last step (reported with the next one)."""
+    groups_seen: set = field(default_factory=set)
+    """(step, index) of every prompt group taken (`mcore_rl.trainer.check_once`)."""
     dynamic: InformativeGroups | None = None
     """Dynamic sampling's pool of informative prompt groups (``algorithm.dynamic_sampling``)."""
     val_metrics: Callable[[Batch], dict[str, float]] | None = None
@@ -69,8 +72,9 @@ class RunState:
 
     @property
     def colocated(self) -> bool:
-        """Engine and trainer take turns on the same devices (``rollout.placement``)."""
-        return self.cfg.rollout.placement == "colocated"
+        """Engine and trainer take turns on the same devices (``rollout.placement``:
+        colocated, or fused into the trainer's first rank)."""
+        return self.cfg.rollout.placement in ("colocated", "fused")
 
     @property
     def validates(self) -> bool:
@@ -139,7 +143,7 @@ def check_job(cfg: RLConfig) -> None:
     the prompt data (fields present). Raises a one-line `UsageError`."""
     import torch
 
-    from mcore_rl.config.validate import model_shape
+    from mcore_rl.models.shape import model_shape
     from mcore_rl.rl.job_check import check_engine_capabilities, check_registered_names
 
     check_registered_names(cfg)
@@ -147,7 +151,7 @@ def check_job(cfg: RLConfig) -> None:
         check_reward_model(cfg)
     else:
         RewardScorer.from_config(cfg.reward)  # a reward that cannot run here refuses (starts nothing)
-    check_engine_capabilities(cfg, model_shape(cfg).num_experts, torch.cuda.is_available())
+    check_engine_capabilities(cfg, model_shape(cfg.model).num_experts, torch.cuda.is_available())
     load_prompt_records(cfg.data, "train")
     load_prompt_records(cfg.data, "val")
     RunCheckpoints.for_config(cfg).resolve_resume(cfg.checkpoint.resume, trained_parts(cfg),
@@ -169,23 +173,17 @@ def trained_parts(cfg: RLConfig) -> list[str]:
     return ["actor"] + (["critic"] if needs_critic(cfg.algorithm.advantage_estimator) else [])
 
 
-def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None,
+def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list,
               reward: RewardScorer | None = None) -> RunState:
-    """Everything a run holds, built collectively by the trainer ranks. ``engines``: rollout
-    engines that run elsewhere (e.g. proxies of other controllers' engines, from
-    `mcore_rl.flow.lookup`), given on the controller rank: the weight sync streams into all
-    of them and the run starts no engine of its own; ``rollout`` is the first. ``reward``:
-    what scores responses, as a `RewardScorer` does (default: the one of ``cfg.reward``)."""
-    from mcore_rl.rl import phases
-
-    from mcore_rl.engines import build_rollout_engine
-    from mcore_rl.engines.stale_shm import remove_stale_shared_memory
-    from mcore_rl.sizes import format_bytes
+    """Everything a run holds, built collectively by the trainer ranks. ``engines``: the
+    rollout engines (proxies of the rollout roles' engines, `mcore_rl.flow.lookup`), given on
+    the controller rank (empty elsewhere): the weight sync streams into all of them;
+    ``rollout`` is the first. ``reward``: what scores responses, as a `RewardScorer` does
+    (default: the one of ``cfg.reward``)."""
     from mcore_rl.models import build_model
     from mcore_rl.reshard.stream import WeightSync
-    from mcore_rl.train.build import build_engine
-
     from mcore_rl.rl.job_check import check_registered_names
+    from mcore_rl.train.build import build_engine
 
     algo = cfg.algorithm
     check_registered_names(cfg)  # unknown names fail before any work
@@ -213,21 +211,10 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None,
                               optim=replace(cfg.optimizer, lr=cfg.optimizer.critic_lr),
                               total_steps=cfg.train.steps * algo.ppo_epochs * algo.mini_batches,
                               share_prompts=share)
-    rollout = None
-    if engines is not None:
-        rollout = engines[0] if ctx.is_controller and engines else None
-    elif ctx.is_controller:
-        removed, freed = remove_stale_shared_memory()
-        if removed:
-            print(f"mcore-rl: removed {removed} shared-memory file(s) ({format_bytes(freed)}) that "
-                  "killed engine processes left in /dev/shm", flush=True)
-        rollout = build_rollout_engine(cfg.rollout, model_dir, dtype=m.dtype, seed=cfg.train.seed,
-                                       log_file=Path(cfg.logging.dir) / "engine.log",
-                                       max_model_len=phases.context_length(cfg))
+    rollout = engines[0] if ctx.is_controller and engines else None
     sync = WeightSync.from_config([getattr(c, "module", c) for c in actor.model],
                                   actor_model.spec.arch, cfg.reshard,
-                                  engines=(engines if engines is not None else [rollout])
-                                  if rollout else None,
+                                  engines=list(engines) if ctx.is_controller else None,
                                   controller=ctx.controller, group=ctx.world_group)
     train_records = load_prompt_records(cfg.data, "train")
     val_records = load_prompt_records(cfg.data, "val")
@@ -238,5 +225,4 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list | None = None,
                     prompts=PromptStream(train_records, cfg.data.seed), val_records=val_records,
                     reward=reward, kl=KLController(algo.kl_coef, algo.adaptive_kl_target),
                     log=log, checkpoints=RunCheckpoints.for_config(cfg),
-                    vocab_size=vocab, owns_rollout=engines is None,
-                    dynamic=InformativeGroups.for_config(cfg))
+                    vocab_size=vocab, dynamic=InformativeGroups.for_config(cfg))

@@ -5,7 +5,7 @@ model chunks, Megatron DDP and optimizer, the 1F1B / interleaved pipeline schedu
 vocab-parallel log-probs) through the `TrainEngine`, and shows the loss falling. A quick
 health check of a layout: ``mcore-rl train CONFIG`` runs it when the config has no RL data.
 
-It is also the first loop with the run-level services the RL loop uses the same way:
+It runs with the run-level services the RL loop uses the same way:
 checkpoints every ``checkpoint.save_every`` steps (with ``save_every: 0`` the smoke run saves
 only when asked to stop, so re-running the quick start starts afresh), resuming from the
 latest complete checkpoint (``checkpoint.resume``), a stop check at every step boundary
@@ -49,53 +49,65 @@ def next_token_loss(outputs, mb):
     return -(outputs["logprobs"] * mask).sum(), mask.sum(), {}
 
 
-def run_smoke(cfg: RLConfig, ctx: ParallelContext, steps: int = 10, log=print,
-              stop=None) -> list[float]:
-    """Train on synthetic sequences up to step ``steps``; returns the global token-mean loss
-    of every step 1..steps (the same on every rank), including steps run before a resume.
+class SmokeRun:
+    """Next-token training on synthetic sequences up to step ``train.steps``, one `step` at a
+    time. ``losses``: the global token-mean loss of every step so far (the same on every
+    rank), including steps run before a resume."""
 
-    ``stop``: an object with ``should_stop(ctx)`` (the launcher's `StopSignal`); when all
-    ranks agree to stop, the state is saved and `StopRequested` is raised.
-    """
-    from dataclasses import replace
+    def __init__(self, cfg: RLConfig, ctx: ParallelContext, log=print):
+        from dataclasses import replace
 
-    from mcore_rl.models.gpt import build_gpt_chunks
-    from mcore_rl.train.build import build_engine
+        from mcore_rl.models.gpt import build_gpt_chunks
+        from mcore_rl.train.build import build_engine
 
-    arch = arch_from_inline(cfg)
-    optim = replace(cfg.optimizer, lr=1e-3)  # a visible drop within a few steps
-    engine = build_engine(build_gpt_chunks(arch, ctx, dtype=cfg.model.dtype), ctx,
-                          vocab_size=arch.vocab_size, optim=optim, total_steps=steps)
-    ckpts = RunCheckpoints.for_config(cfg)
-    losses: list[float] = []
-    resume = ckpts.resolve_resume(cfg.checkpoint.resume, ["model"], cfg.logging.dir).path
-    if resume is not None:
-        losses = list(ckpts.load(resume, {"model": engine})["losses"])
-        if ctx.rank == 0:
-            log(f"mcore-rl: resumed from {resume} after step {len(losses)}", flush=True)
-    done = len(losses)
-    metrics = MetricsLog(cfg.logging.dir, tensorboard=False, progress_bar=False,
-                         enabled=ctx.rank == 0)
-    metrics.truncate_after(done)
-    every = cfg.checkpoint.save_every
-    for step in range(done + 1, steps + 1):
+        self.cfg, self.ctx, self.print = cfg, ctx, log
+        self.steps = cfg.train.steps
+        self.arch = arch_from_inline(cfg)
+        optim = replace(cfg.optimizer, lr=1e-3)  # a visible drop within a few steps
+        self.engine = build_engine(build_gpt_chunks(self.arch, ctx, dtype=cfg.model.dtype), ctx,
+                                   vocab_size=self.arch.vocab_size, optim=optim,
+                                   total_steps=self.steps)
+        self.checkpoints = RunCheckpoints.for_config(cfg)
+        self.losses: list[float] = []
+        resume = self.checkpoints.resolve_resume(cfg.checkpoint.resume, ["model"],
+                                                 cfg.logging.dir).path
+        if resume is not None:
+            self.losses = list(self.checkpoints.load(resume, {"model": self.engine})["losses"])
+            if ctx.rank == 0:
+                log(f"mcore-rl: resumed from {resume} after step {len(self.losses)}", flush=True)
+        self.metrics = MetricsLog(cfg.logging.dir, tensorboard=False, progress_bar=False,
+                                  enabled=ctx.rank == 0)
+        self.metrics.truncate_after(len(self.losses))
+
+    @property
+    def step_count(self) -> int:
+        return len(self.losses)
+
+    def step(self, stop=None) -> float:
+        """One training step, its log line and (when due) checkpoint; ``stop``: as for the
+        RL loop (an agreed stop saves a checkpoint and raises `StopRequested`)."""
+        cfg, ctx = self.cfg, self.ctx
+        step = len(self.losses) + 1
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
-        result = engine.train_batch(synthetic_batch(arch.vocab_size, 32, 8 * ctx.dp, gen),
-                                    next_token_loss)
-        losses.append(result.loss)
+        result = self.engine.train_batch(synthetic_batch(self.arch.vocab_size, 32, 8 * ctx.dp, gen),
+                                         next_token_loss)
+        self.losses.append(result.loss)
         seconds = time.perf_counter() - t0
-        metrics.log(step, {"loss": result.loss, "grad_norm": result.grad_norm, "seconds": seconds},
-                    console=False)
+        self.metrics.log(step, {"loss": result.loss, "grad_norm": result.grad_norm,
+                                "seconds": seconds}, console=False)
         if ctx.rank == 0:
-            log(f"step {step:3d}/{steps}  loss {result.loss:.4f}  "
-                f"grad-norm {result.grad_norm:.3f}  {seconds:.2f}s", flush=True)
+            self.print(f"step {step:3d}/{self.steps}  loss {result.loss:.4f}  "
+                       f"grad-norm {result.grad_norm:.3f}  {seconds:.2f}s", flush=True)
         saved = None
-        if every and (step % every == 0 or step == steps):
-            saved = ckpts.save(step, {"model": engine}, {"losses": losses})
-        if stop is not None and step < steps and stop.should_stop(ctx):
+        every = cfg.checkpoint.save_every
+        if every and (step % every == 0 or step == self.steps):
+            saved = self.save()
+        if stop is not None and step < self.steps and stop.should_stop(ctx):
             from mcore_rl.errors import StopRequested
 
-            saved = saved or ckpts.save(step, {"model": engine}, {"losses": losses})
-            raise StopRequested(step, saved)
-    return losses
+            raise StopRequested(step, saved or self.save())
+        return result.loss
+
+    def save(self):
+        return self.checkpoints.save(len(self.losses), {"model": self.engine}, {"losses": self.losses})

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mcore_rl.api.rollouts import Rollouts
-from mcore_rl.api.worker import prompt_records
+from mcore_rl.roles.generate import prompt_records
 from mcore_rl.data.batch import Batch
 from mcore_rl.errors import UsageError
 

@@ -112,8 +112,8 @@ CASES = [
      "set parallel.dp=2"),
     (["parallel.tp=2", "--nproc", "3"], "world size 3 is not a multiple of tp*pp = 2",
      "launch a multiple of 2"),
-    (["--nproc", "-1"], "--nproc must be >= 1, got -1", "give the number of local ranks"),
-    (["--nproc", "0"], "--nproc must be >= 1, got 0", "give the number of local ranks"),
+    (["--nproc", "-1"], "--nproc must be >= 1, got -1", "give the number of ranks"),
+    (["--nproc", "0"], "--nproc must be >= 1, got 0", "give the number of ranks"),
     # paths
     (["logging.dir={d}/a_file"], "logging.dir={d}/a_file is not a directory", "choose a directory"),
     (["logging.dir={d}/a_file/run"], "({d}/a_file is a file)", "choose a directory"),
@@ -149,7 +149,8 @@ CASES = [
     (["parallel.tpp=2"], "unknown key 'parallel.tpp'", "did you mean 'tp'"),
     (["optimiser.lr=1"], "unknown key 'optimiser'", "did you mean 'optimizer'"),
     (["parallel.tp=two"], "parallel.tp: expected int, got 'two'", "expected int"),
-    (["rollout.placement=colo"], "rollout.placement: must be one of 'colocated', 'separate'", "must be one of"),
+    (["rollout.placement=colo"], "rollout.placement: must be one of 'colocated', 'separate', 'fused'",
+     "must be one of"),
     (["train.on_nonfinite=ignore"], "train.on_nonfinite: must be one of 'stop', 'skip'", "must be one of"),
     (["parallel=3"], "parallel: expected a mapping", "mapping"),
     # resuming
@@ -165,9 +166,9 @@ CASES = [
                                                                 "checkpoint", "checkpoint.resume=never"),
     (["train.schedule=one_step_off", "rollout.placement=separate"],
      "train.schedule=one_step_off trains on rollouts one weight version old", "train.max_staleness=1"),
-    (["train.schedule=async", "train.max_staleness=1", "rollout.replicas=2"],
-     "which rollout.placement=colocated (one engine taking turns with the trainer) does not",
-     "rollout.placement=separate"),
+    (["rollout.placement=fused", "train.schedule=async", "train.max_staleness=1"],
+     "rollout.placement=fused runs rollout, reward and update in line in the trainer's first rank",
+     "set rollout.placement=colocated (or separate), or train.schedule=sync"),
     # the fine-tuning jobs (sft, rm, dpo, kto)
     (["train.job=dpo", "finetune.dpo_loss=sigmoud"], "finetune.dpo_loss: unknown DPO loss 'sigmoud'",
      "did you mean 'sigmoid'"),
@@ -241,13 +242,50 @@ def test_config_show_rejects_the_same_inputs(argv, message, capsys, no_rank_star
     assert len(err) == 1 and message in err[0], err
 
 
-def test_an_engine_in_the_trainer_runs_the_rank_loop_not_the_graph(monkeypatch, tmp_path):
+def test_every_job_and_placement_runs_as_its_graph_through_one_entry(monkeypatch, tmp_path):
     started = []
-    monkeypatch.setattr("mcore_rl.parallel.local_launch.run_ranks",
-                        lambda *args, **kwargs: started.append("ranks"))
-    monkeypatch.setattr("mcore_rl.cli.train_graph.run_graph",
-                        lambda *args, **kwargs: started.append("graph") or 0)
+    monkeypatch.setattr("mcore_rl.roles.graph.run_job",
+                        lambda cfg, **kwargs: started.append((cfg.train.job, cfg.rollout.placement)))
+    monkeypatch.setattr("mcore_rl.flow.ray_shim.start_local", lambda **kwargs: (lambda: None))
+    monkeypatch.setattr("mcore_rl.flow.ray_shim.require",
+                        lambda: type("Ray", (), {"is_initialized": staticmethod(lambda: True)}))
     quick = str(REPO / "configs" / "quickstart.yaml")
-    assert main(["train", quick, f"logging.dir={tmp_path}/a", "rollout.in_trainer=true"]) == 0
+    assert main(["train", quick, f"logging.dir={tmp_path}/a", "rollout.placement=fused"]) == 0
     assert main(["train", quick, f"logging.dir={tmp_path}/b"]) == 0
-    assert started == ["ranks", "graph"]
+    assert main(["train", str(REPO / "configs" / "smoke.yaml"), f"logging.dir={tmp_path}/c"]) == 0
+    assert main(["train", str(REPO / "configs" / "dpo_quickstart.yaml"),
+                 f"logging.dir={tmp_path}/d"]) == 0
+    assert started == [("rl", "fused"), ("rl", "colocated"), ("smoke", "colocated"),
+                       ("dpo", "colocated")]
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2", "RANK": "0"},
+                                 {"SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}],
+                         ids=["torchrun", "srun"])
+def test_under_torchrun_or_srun_what_cannot_run_fused_says_which_command_to_use(
+        env, monkeypatch, capsys, no_rank_starts):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # restored after the test, whatever it set
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", QUICK, "train.schedule=one_step_off", "train.max_staleness=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "under torchrun or srun every role runs fused into the ranks" in err[0]
+    assert "train.schedule=one_step_off needs the engine in a controller of its own" in err[0]
+    assert "mcore-rl launch slurm CONFIG" in err[0] and "mcore-rl train CONFIG --nproc N" in err[0]
+    assert "RANK" not in __import__("os").environ or env.get("RANK") == "0"  # nothing leaked
+
+
+def test_torchrun_ranks_run_the_jobs_graph_in_their_own_world_without_ray(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+         "mcore_rl.cli.main", "train", str(REPO / "configs" / "smoke.yaml"), "train.steps=3",
+         "parallel.tp=2", f"logging.dir={tmp_path}"], capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in __import__("os").environ.items() if k != "RAY_ADDRESS"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "in the launcher's world of 2 rank(s), without Ray" in proc.stdout
+    summary = json.loads((tmp_path / "smoke_summary.json").read_text())
+    assert summary["steps"] == 3 and summary["layout"].startswith("TP2")

@@ -5,12 +5,14 @@ import pytest
 
 from mcore_rl.config import load_config, validate_config
 from mcore_rl.errors import ConfigError
+from mcore_rl.models.shape import model_shape
 
 # The inline default model: 2 layers, 4 attention heads, 2 KV heads.
 
 
 def check(overrides, world_size=None):
-    return validate_config(load_config(None, overrides), world_size=world_size)
+    cfg = load_config(None, overrides)
+    return validate_config(cfg, world_size=world_size, shape=model_shape(cfg.model))
 
 
 def test_tp_not_dividing_attention_heads_names_field_and_choices():
@@ -119,6 +121,11 @@ def test_expert_parallelism_on_a_dense_model_is_rejected():
         check(["parallel.ep=2"])
 
 
+def test_a_checkpoints_shape_is_the_callers_to_give():
+    with pytest.raises(TypeError, match="needs the model's shape"):
+        validate_config(load_config(None, ["model.path=/some/checkpoint"]))
+
+
 def test_model_path_without_config_json_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="has no config.json"):
         check([f"model.path={tmp_path}"])
@@ -151,17 +158,3 @@ def test_dynamic_sampling_needs_groups_to_compare(overrides, message):
     check(["algorithm.dynamic_sampling=true"])  # the defaults are fine
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.in_trainer=true", "train.schedule=one_step_off", "train.max_staleness=1"],
-     r"train.schedule=one_step_off overlaps them on the dataflow graph: set "
-     r"rollout.in_trainer=false or train.schedule=sync"),
-    (["rollout.in_trainer=true", "rollout.replicas=2", "rollout.placement=separate",
-      "train.schedule=async", "train.max_staleness=1"], r"train.schedule=async overlaps"),
-    (["rollout.in_trainer=true", "rollout.replicas=2", "rollout.placement=separate"],
-     r"rollout.replicas=2 run as controllers of the dataflow graph: set "
-     r"rollout.in_trainer=false or rollout.replicas=1"),
-])
-def test_an_engine_in_the_trainer_runs_the_sync_loop_with_one_replica(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        check(overrides)
-    check(["rollout.in_trainer=true"])

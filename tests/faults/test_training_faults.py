@@ -27,14 +27,15 @@ def _train(rank, world_size, overrides, nan_at_update=None):
 
     from mcore_rl.config import load_config, validate_config
     from mcore_rl.errors import UsageError
-    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.parallel import destroy_parallel
     from mcore_rl.rl import phases
-    from mcore_rl.trainer import train
+    from mcore_rl.roles.graph import run_in_this_world
 
-    update_actor, calls = phases.update_actor, []
+    update_actor, calls, states = phases.update_actor, [], []
 
     def poisoned(state, batch):
         calls.append(1)
+        states[:] = [state]
         handles = []
         if len(calls) == nan_at_update:
             param = next(state.actor.model[0].parameters())
@@ -46,10 +47,10 @@ def _train(rank, world_size, overrides, nan_at_update=None):
                 h.remove()
 
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", overrides), world_size)
-    ctx = initialize_parallel(tp=1, pp=1, seed=cfg.train.seed)
     phases.update_actor = poisoned
     try:
-        state = train(cfg, ctx)
+        run_in_this_world(cfg)
+        state = states[0]
         finite = all(torch.isfinite(p).all().item() for c in state.actor.model for p in c.parameters())
         return "ok", finite
     except UsageError as err:

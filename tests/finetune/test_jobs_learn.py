@@ -14,15 +14,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(rank, world_size, config, overrides):
-    from mcore_rl.config import load_config, validate_config
-    from mcore_rl.finetune.loop import run_finetune
-    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.config import load_config
+    from mcore_rl.parallel import destroy_parallel
+    from mcore_rl.roles.graph import run_in_this_world
+    from mcore_rl.roles.rules import check_config
 
-    cfg = validate_config(load_config(REPO / "configs" / config, overrides), world_size)
-    p = cfg.parallel
-    ctx = initialize_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.train.seed)
-    run_finetune(cfg, ctx)
-    destroy_parallel()
+    cfg = check_config(load_config(REPO / "configs" / config, overrides), world_size)
+    try:
+        run_in_this_world(cfg)
+    finally:
+        destroy_parallel()
     path = Path(cfg.logging.dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else None
 

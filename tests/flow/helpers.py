@@ -203,6 +203,35 @@ class RankSum:
         return {"x": x, "sum": total.item(), "rank": self.rank, "world": self.world}
 
 
+class RankLog:
+    """For worker groups: logs (rank, pid, item) of every call on every rank; rank 0 returns
+    the item with its pid, the others None."""
+
+    def __init__(self, log: str):
+        import torch.distributed as dist
+
+        self.log, self.rank = log, dist.get_rank()
+
+    def __call__(self, item):
+        write(self.log, event="rank_call", rank=self.rank, pid=os.getpid(), item=item)
+        return {"item": item, "pid": os.getpid()} if self.rank == 0 else None
+
+
+class Stamp:
+    """A fused stage: logs its pid and passes ``{"x": item, "stamped_by": pid}`` on."""
+
+    def __init__(self, log: str, name: str):
+        self.log, self.name = log, name
+
+    def __call__(self, item):
+        write(self.log, event=self.name, pid=os.getpid(), item=item)
+        return {"x": item, self.name: os.getpid()} if not isinstance(item, dict) else \
+            {**item, self.name: os.getpid()}
+
+    def hello(self, who: str) -> str:
+        return f"{self.name} says hello to {who} from {os.getpid()}"
+
+
 class LayoutReport:
     """For the Megatron strategy: each call all-reduces ``x * (global rank + 1)`` over the
     rank's tensor-parallel group and reports its coordinates in the layout."""
@@ -226,7 +255,8 @@ class LayoutReport:
 
 def seed_roles():
     """The RL roles with a log of what each call saw (imported late: they load torch)."""
-    from mcore_rl.api.roles import Generate, Train
+    from mcore_rl.roles.generate import Generate
+    from mcore_rl.roles.train import Train
 
     class RecordingGenerate(Generate):
         def __init__(self, log: str, *args):

@@ -1,9 +1,11 @@
-"""The hub's streams, device turns and step budget on their own event loop (no Ray)."""
+"""The hub's streams, device turns and step accounting on their own event loop (no Ray)."""
 from __future__ import annotations
 
 import asyncio
 
-from mcore_rl.flow.hub import CANCELLED, ENDED, OPEN, DeviceTurns, Hub, StreamState
+from mcore_rl.flow.device_turns import DeviceTurns
+from mcore_rl.flow.hub import Hub
+from mcore_rl.flow.streams import CANCELLED, ENDED, OPEN, StreamState
 
 
 def run(coro):

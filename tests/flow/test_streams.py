@@ -140,7 +140,8 @@ def test_streams_hold_object_store_references_not_items(ray_cluster):
         ray.get(maker.setup.remote())
         ray.get(hub.put.remote(FEED, [ray.put(7)]))
         ray.get(hub.close.remote(FEED))
-        assert ray.get(maker.run.remote(hub)).items_out == 1
+        (stats,) = ray.get(maker.run.remote(hub))
+        assert stats.items_out == 1
         (box,) = ray.get(hub.peek.remote("out"))
         assert isinstance(box[0], ray.ObjectRef)
         assert torch.equal(ray.get(box[0])["w"], helpers.tensors(7)["w"])

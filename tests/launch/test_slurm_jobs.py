@@ -2,11 +2,12 @@
 
 The cluster (`mcore_rl.launch.slurm_cluster`): munged, slurmctld and two slurmd daemons
 emulating nodes n1 and n2; installed with apt-get when missing; only the daemons started
-here are stopped, also when a test fails. Jobs train the built-in tiny model at TP2 with one
-rank per node, so every step crosses the two nodes: `mcore-rl train` under torchrun, and
-(``--ray``) a driver script, `RLTrainer` GRPO, on a Ray cluster of both nodes. As the two
-nodes share this host, their ranks are told apart by Ray node id, and what a Ray job leaves
-behind by the processes naming its nodes' temp dirs.
+here are stopped, also when a test fails. Every job runs on a Ray cluster of both nodes
+(a head on n1, a worker on n2), its driver ``mcore-rl train CONFIG`` (the smoke job at TP2,
+the RL graph with the asynchronous schedule) or a script (`RLTrainer` GRPO); ranks are
+spread so that every step crosses the two nodes. As the two nodes share this host, their
+ranks are told apart by Ray node id, and what a Ray job leaves behind by the processes
+naming its nodes' temp dirs.
 
 Requeue delay on Slurm 22.05.8: a requeued job may start again only after the job credential
 lifetime (``AuthInfo=...,cred_expire=N``, default 120 s) and then waits for the next
@@ -56,7 +57,7 @@ def launch(cluster, run_dir, *args):
 
 
 def submit(cluster, run_dir) -> str:
-    proc = launch(cluster, run_dir, "--nodes", "2", "--procs-per-node", "1", "--partition", "debug")
+    proc = launch(cluster, run_dir, "--nodes", "2", "--cpus-per-node", "2", "--partition", "debug")
     assert proc.returncode == 0, proc.stderr
     job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     assert f"log:    {run_dir}/slurm-{job_id}.log" in proc.stdout
@@ -101,11 +102,11 @@ def test_bad_requests_fail_in_one_line_and_nothing_reaches_the_queue(cluster, tm
              "NAME (one of: debug)"),
         (["--partition", "gpu"], "partition 'gpu' does not exist on this cluster; choose one "
                                  "of: debug"),
-        (["--partition", "debug", "parallel.dp=1"], "2 node(s) x 2 rank(s) = 4 ranks: parallel: "
-                                                    "tp*pp*dp = 2*1*1 = 2 ranks"),
+        (["--partition", "debug", "--gpus-per-node", "1"], "2 node(s) x 1 GPU(s): trainer: a TP "
+                                                           "group of 2 GPUs must lie on one node"),
     ]
     for extra, message in cases:
-        proc = launch(cluster, tmp_path, "--nodes", "2", "--procs-per-node", "2", *extra)
+        proc = launch(cluster, tmp_path, "--nodes", "2", *extra)
         assert proc.returncode == 2, (extra, proc.stdout, proc.stderr)
         assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert next_job_id(cluster) == before
@@ -121,12 +122,12 @@ def uninterrupted(cluster, tmp_path_factory):
 
 def test_two_node_job_trains_across_both_nodes_and_completes_with_its_metrics(uninterrupted):
     run_dir, summary, log, seconds = uninterrupted
-    assert re.search(r"preflight ok: 2 ranks on 2 node\(s\) \(n[12]: [01]; n[12]: [01]\)", log), log
+    assert "mcore-rl: 2 trainer rank(s), layout TP2xPP1xDP1, on 2 Ray node(s)" in log, log
     assert summary["layout"] == "TP2xPP1xDP1" and summary["steps"] == STEPS
     assert summary["restarts"] == 0
     assert summary["losses"][-1] < 0.8 * summary["losses"][0], summary["losses"]
     assert metric_steps(run_dir) == list(range(1, STEPS + 1))
-    assert "training exited with status 0" in log
+    assert "driver exited with status 0" in log and "Ray stopped on every node" in log
     print(f"2-node job completed {seconds:.1f}s after submission")
 
 
@@ -134,9 +135,9 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_result(
         cluster, tmp_path, uninterrupted):
     job_id = submit(cluster, tmp_path)
     log_path = tmp_path / f"slurm-{job_id}.log"
-    # Send the signal once the batch shell has set its trap (it logs the rendezvous next).
-    wait_for(cluster, job_id, lambda i: log_path.exists() and "rendezvous" in log_path.read_text(),
-             "batch shell start")
+    # Send the signal once the job trains (the batch shell's trap is set by then).
+    wait_for(cluster, job_id, lambda i: log_path.exists() and "step   1/" in log_path.read_text(),
+             "first step")
     cluster.run(["scancel", "--batch", "--signal=USR1", job_id])  # what --signal=B:USR1@T sends
     wait_for(cluster, job_id, lambda i: i["Restarts"] == "1", "requeue")
     _, requeue_delay = wait_for(cluster, job_id,
@@ -168,7 +169,7 @@ RAY_DRIVER = ["--steps", str(RAY_STEPS), "--prompts-per-step", "4", "rollout.eng
 def submit_ray(cluster, run_dir) -> str:
     proc = subprocess.run(
         [MCORE_RL, "launch", "slurm", "--nodes", "2", "--cpus-per-node", "2", "--partition",
-         "debug", "--run-dir", str(run_dir), "--ray", "examples/slurm_grpo.py", "--",
+         "debug", "--run-dir", str(run_dir), "examples/slurm_grpo.py", "--",
          *RAY_DRIVER], capture_output=True, text=True, cwd=REPO, env=cluster.env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return re.search(r"submitted job (\d+)", proc.stdout).group(1)
@@ -263,7 +264,7 @@ def test_ray_job_failing_driver_worker_group_fills_both_nodes_and_still_stops_ra
         cluster, tmp_path):
     proc = subprocess.run(
         [MCORE_RL, "launch", "slurm", "--nodes", "2", "--cpus-per-node", "2", "--partition",
-         "debug", "--run-dir", str(tmp_path), "--ray", "tests/launch/ray_flow_driver.py", "--",
+         "debug", "--run-dir", str(tmp_path), "tests/launch/ray_flow_driver.py", "--",
          "--fail"], capture_output=True, text=True, cwd=REPO, env=cluster.env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
@@ -281,14 +282,15 @@ def test_ray_job_failing_driver_worker_group_fills_both_nodes_and_still_stops_ra
     assert_no_ray_left(job_id, [{"ranks": ranks}])
 
 
-def test_mcore_rl_train_as_the_ray_driver_runs_the_rl_graph_over_both_nodes(cluster, tmp_path):
-    """``mcore-rl launch slurm CONFIG --ray``: ``mcore-rl train`` is the driver, its trainer
-    ranks placed over the two Ray nodes, and the job leaves no Ray behind."""
+def test_the_async_rl_graph_runs_over_both_nodes_and_leaves_no_ray_behind(cluster, tmp_path):
+    """``mcore-rl launch slurm CONFIG``: ``mcore-rl train`` is the driver of the RL graph with
+    the asynchronous schedule, its trainer ranks placed over the two Ray nodes."""
     from mcore_rl.launch.ray_node import node_processes, temp_dir
 
     proc = subprocess.run(
         [MCORE_RL, "launch", "slurm", "configs/quickstart.yaml", "--nodes", "2",
-         "--cpus-per-node", "2", "--partition", "debug", "--ray", "parallel.tp=2",
+         "--cpus-per-node", "2", "--partition", "debug", "parallel.tp=2",
+         "train.schedule=async", "train.max_staleness=1", "rollout.placement=separate",
          "rollout.engine=hf", "train.steps=3", "train.warm_start_steps=10", "train.val_every=0",
          "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "logging.progress_bar=false",
          "checkpoint.save_every=0", f"logging.dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"],
@@ -297,7 +299,10 @@ def test_mcore_rl_train_as_the_ray_driver_runs_the_rl_graph_over_both_nodes(clus
     job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     log, _ = ray_finished(cluster, job_id, tmp_path)
     assert "mcore-rl: 2 trainer rank(s), layout TP2xPP1xDP1, on 2 Ray node(s)" in log, log
-    assert sorted(rl_metrics(tmp_path)) == [1, 2, 3]
+    assert "separate, async on Ray" in log, log
+    metrics = rl_metrics(tmp_path)
+    assert sorted(metrics) == [1, 2, 3]
+    assert all(m["rollout/token_staleness_max"] <= 1 for m in metrics.values())
     assert "driver exited with status 0" in log
     for node in ("n1", "n2"):
         assert not temp_dir(job_id, node).exists() and not node_processes(temp_dir(job_id, node))

@@ -162,23 +162,19 @@ def test_bad_reward_model_input_is_one_line_before_any_rank(argv, message, fix, 
     assert not (d / "run").exists()
 
 
-def test_the_rank_loop_refuses_the_reward_model_in_one_line(tmp_path, capsys, monkeypatch,
-                                                            no_rank_starts):
-    monkeypatch.setenv("WORLD_SIZE", "1")  # as under torchrun
-    monkeypatch.setenv("RANK", "0")
-    assert main(["train", QUICK, "reward.name=reward_model", f"logging.dir={tmp_path}/run"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "rank loop (torchrun/srun, or rollout.in_trainer) does not start" \
-        in err[0], err
-    assert "mcore-rl launch slurm CONFIG --ray" in err[0]
-    monkeypatch.delenv("WORLD_SIZE")
-    monkeypatch.delenv("RANK")
-    # the engine in the trainer's process: the same rank loop, without a launcher
-    assert main(["train", QUICK, "reward.name=reward_model", "rollout.in_trainer=true",
+def test_roles_fused_into_the_trainer_refuse_the_reward_model_in_one_line(tmp_path, capsys,
+                                                                          monkeypatch,
+                                                                          no_rank_starts):
+    assert main(["train", QUICK, "reward.name=reward_model", "rollout.placement=fused",
                  f"logging.dir={tmp_path}/run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "rollout.in_trainer=false" in err[0], err
-    assert main(["launch", "slurm", QUICK, "--procs-per-node", "1", "--dry-run",
-                 "reward.name=reward_model"]) == 2
+    assert len(err) == 1 and "rollout.placement=fused (every role in the trainer's ranks) does " \
+        "not start" in err[0], err
+    monkeypatch.setenv("WORLD_SIZE", "1")  # under torchrun: every role fused, without Ray
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert main(["train", QUICK, "reward.name=reward_model", f"logging.dir={tmp_path}/run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "rank loop (torchrun/srun, or rollout.in_trainer)" in err[0], err
+    assert len(err) == 1 and "under torchrun or srun every role runs fused" in err[0], err
+    assert "mcore-rl launch slurm CONFIG" in err[0]
+    assert not (tmp_path / "run").exists()

@@ -17,7 +17,10 @@ RECORDED = ("generate", "sleep", "wake_weights", "begin_update", "finish_update"
 
 
 class RecordingEngine(HFEngine):
-    """The HF engine, noting each call of the handoff and the weight session."""
+    """The HF engine, noting each call of the handoff and the weight session (in ``CALLS``,
+    and in ``calls_file`` beside its log when given one)."""
+
+    calls_file = None
 
 
 def _recorded(name):
@@ -25,6 +28,9 @@ def _recorded(name):
 
     def method(self, *args, **kwargs):
         CALLS.append(name)
+        if self.calls_file is not None:  # in a rollout controller's process: also on disk
+            with open(self.calls_file, "a") as f:
+                f.write(name + "\n")
         return original(self, *args, **kwargs)
 
     return method
@@ -34,16 +40,21 @@ for _name in RECORDED:
     setattr(RecordingEngine, _name, _recorded(_name))
 
 
-def build_recording_engine(cfg, model_dir, **kwargs):
+def build_recording_engine(cfg, model_dir, log_file=None, **kwargs):
     """An engine factory as ``rollout.engine=module:attr`` takes it."""
-    return RecordingEngine(model_dir, **kwargs)
+    engine = RecordingEngine(model_dir, **kwargs)
+    if log_file is not None:
+        engine.calls_file = str(log_file).replace(".log", ".calls")
+    return engine
 
 
 def _run_and_record(rank, world_size, overrides):
+    """The fused placement on this world: the engine in this rank's process, so the trainer's
+    updates and the engine's calls land in one list, in order."""
     from mcore_rl.config import load_config, validate_config
-    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.parallel import destroy_parallel
+    from mcore_rl.roles.graph import run_in_this_world
     from mcore_rl.train.engine import TrainEngine
-    from mcore_rl.trainer import train
 
     train_batch = TrainEngine.train_batch
 
@@ -55,11 +66,10 @@ def _run_and_record(rank, world_size, overrides):
     TrainEngine.train_batch = recording_train_batch
     try:
         cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", overrides), world_size)
-        ctx = initialize_parallel(tp=1, pp=1, seed=cfg.train.seed)
-        train(cfg, ctx)
-        destroy_parallel()
+        run_in_this_world(cfg)
     finally:
         TrainEngine.train_batch = train_batch
+        destroy_parallel()
     return list(CALLS)
 
 
@@ -82,9 +92,16 @@ def test_rl_steps_hand_the_devices_over_in_order_sleep_train_wake_weights_sync_w
 
 def test_an_engine_beside_the_trainer_is_never_put_to_sleep_or_woken(tmp_path):
     # each sleep or wake would be a round trip to an engine in another process
+    from mcore_rl.config import load_config
+    from mcore_rl.flow.ray_shim import local_ray
+    from mcore_rl.roles.graph import run_job
+    from mcore_rl.roles.rules import check_runnable
+
     overrides = _overrides(tmp_path) + ["rollout.placement=separate"]
-    calls = _collapsed(shared_world(1).run(_run_and_record, overrides)[0])
-    steps = ["train", "begin_update", "finish_update"]
+    with local_ray(include_dashboard=False):
+        run_job(check_runnable(load_config(REPO / "configs" / "quickstart.yaml", overrides), 1))
+    calls = _collapsed((tmp_path / "engine_0.calls").read_text().split())
+    steps = ["begin_update", "finish_update"]
     assert calls == steps + ["generate"] + steps + ["generate"] + steps, calls
 
 

@@ -100,10 +100,12 @@ DYNAMIC = ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_ro
 
 
 def _loop_batches(rank, world_size, overrides):
-    """Run the rank loop, recording each trained batch's groups' scores."""
+    """Run the job fused into this world's ranks, recording each trained batch's groups'
+    scores."""
     from mcore_rl import trainer
     from mcore_rl.config import load_config, validate_config
-    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.parallel import destroy_parallel
+    from mcore_rl.roles.graph import run_in_this_world
 
     trained = []
     learn = trainer.learn
@@ -117,14 +119,16 @@ def _loop_batches(rank, world_size, overrides):
 
     trainer.learn = recording
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", overrides), world_size)
-    ctx = initialize_parallel(seed=cfg.train.seed)
-    trainer.train(cfg, ctx)
-    destroy_parallel()
+    try:
+        run_in_this_world(cfg)
+    finally:
+        trainer.learn = learn
+        destroy_parallel()
     history = [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl").read_text().splitlines()]
     return trained, [h for h in history if h.get("step", 0) > 0]
 
 
-def test_the_loop_trains_only_on_informative_groups(tmp_path):
+def test_the_fused_placement_trains_only_on_informative_groups(tmp_path):
     trained, steps = shared_world(1).run(_loop_batches, BASE + DYNAMIC + [f"logging.dir={tmp_path}"])[0]
     assert len(trained) == len(steps) == 3
     for groups, m in zip(trained, steps):
@@ -135,11 +139,11 @@ def test_the_loop_trains_only_on_informative_groups(tmp_path):
 
 
 def test_the_graph_fills_its_steps_and_stops_its_feed_at_the_last_one(tmp_path):
-    from mcore_rl.api.rl_graph import run_rl_graph
+    from mcore_rl.roles.graph import run_job
 
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml",
                                       BASE + DYNAMIC + [f"logging.dir={tmp_path}"]), 1)
-    stats = run_rl_graph(cfg)
+    stats = run_job(cfg)
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [h for h in history if h.get("step", 0) > 0]
     assert [h["step"] for h in steps] == [1, 2, 3]

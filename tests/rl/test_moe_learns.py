@@ -4,7 +4,7 @@ replayed in the update (`configs/moe_quickstart.yaml`, as shipped)."""
 import json
 from pathlib import Path
 
-from mcore_rl.api.rl_graph import run_rl_graph
+from mcore_rl.roles.graph import run_job
 from mcore_rl.config import load_config, validate_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_grpo_with_a_moe_policy_at_ep2_raises_the_validation_score(tmp_path, capsys):
     cfg = validate_config(load_config(REPO / "configs" / "moe_quickstart.yaml", [
         f"logging.dir={tmp_path}", "logging.progress_bar=false", "logging.samples_every=0"]), 2)
-    stats = run_rl_graph(cfg)
+    stats = run_job(cfg)
     assert stats.roles["trainer"].calls == cfg.train.steps
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val = [h["val/score"] for h in history if "val/score" in h]

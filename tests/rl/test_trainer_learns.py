@@ -17,14 +17,14 @@ BASE = ["rollout.engine=hf", "train.warm_start_steps=300", "train.steps=10", "tr
 
 def _train(rank, world_size, overrides):
     from mcore_rl.config import load_config, validate_config
-    from mcore_rl.parallel import destroy_parallel, initialize_parallel
-    from mcore_rl.trainer import train
+    from mcore_rl.parallel import destroy_parallel
+    from mcore_rl.roles.graph import run_in_this_world
 
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", overrides), world_size)
-    p = cfg.parallel
-    ctx = initialize_parallel(tp=p.tp, pp=p.pp, seed=cfg.train.seed)
-    train(cfg, ctx)
-    destroy_parallel()
+    try:
+        run_in_this_world(cfg)
+    finally:
+        destroy_parallel()
     path = Path(cfg.logging.dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else None
 

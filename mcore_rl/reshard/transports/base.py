@@ -89,6 +89,10 @@ class Transport(ABC):
         self.moved_nbytes = 0
         """Bytes of the trainer's parameters that now live in ``buffer`` (not extra memory)."""
 
+    holds_all = False
+    """Every bucket stays in ``buffer`` through a sync (none reuses another's memory), so the
+    engines may load them all at its end, in one call each."""
+
     @classmethod
     def problem(cls, setup: TransportSetup) -> str | None:
         """Why this transport cannot carry this sync (None: it can). Collective: the same

@@ -42,6 +42,8 @@ bucket evenly, long enough that the per-checksum overhead vanishes."""
 class SharedFileTransport(Transport):
     """The parameters themselves, in one file in ``shm_dir`` (module doc)."""
 
+    holds_all = True
+
     def __init__(self, plan, path, nbytes, buffer, rank: int, controller: int, moved: list):
         super().__init__(plan, path, nbytes, buffer)
         self.rank, self.controller = rank, controller

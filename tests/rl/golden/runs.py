@@ -1,7 +1,8 @@
 """Golden RL runs: short fixed-seed runs whose metrics every change must reproduce.
 
 Each run is the quick-start task on the in-process ``hf`` engine (deterministic on CPU),
-a short warm start and three RL steps. ``python -m tests.rl.golden.runs [NAME ...]``
+a short warm start and three RL steps, with every role fused into the trainer's ranks;
+``tests/roles/test_rl_graph.py`` replays them through the other placements. ``python -m tests.rl.golden.runs [NAME ...]``
 records the metrics into ``tests/rl/golden/<cpu kind>/<name>.json`` (on the CPU code path
 that ``tests/cpu_kernels.py`` pins for the suite); ``tests/rl/test_golden_runs.py``
 replays each run and compares every metric but timings to round-off, against the values
@@ -59,15 +60,17 @@ def golden_file(name: str) -> Path:
 
 
 def run_golden(rank, world_size, overrides):
-    """One golden run on a rank of a shared world; rank 0 returns the metrics history."""
-    from mcore_rl.config import load_config, validate_config
-    from mcore_rl.parallel import destroy_parallel, initialize_parallel
-    from mcore_rl.trainer import train
+    """One golden run on a rank of a shared world, every role fused into the trainer's ranks
+    (``rollout.placement: fused``, `mcore_rl.roles.graph.run_in_this_world`); rank 0
+    returns the metrics history."""
+    from mcore_rl.config import load_config
+    from mcore_rl.parallel import destroy_parallel
+    from mcore_rl.roles.graph import run_in_this_world
+    from mcore_rl.roles.rules import check_config
 
-    cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", overrides), world_size)
-    ctx = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
+    cfg = check_config(load_config(REPO / "configs" / "quickstart.yaml", overrides), world_size)
     try:
-        train(cfg, ctx)
+        run_in_this_world(cfg)
     finally:
         destroy_parallel()
     path = Path(cfg.logging.dir) / "metrics.jsonl"

@@ -8,7 +8,7 @@ group then finishes too old for ``train.max_staleness=1`` whatever the timing: t
 takes two steps without it (a step needs 4 of the 8 groups in flight), and nothing else
 waits on it. ``STUCK_S`` caps a hold only so that a broken run fails instead of hanging.
 
-    rollout.engine=tests.api.stuck_engine:build rollout.replicas=2
+    rollout.engine=tests.roles.stuck_engine:build rollout.replicas=2
 """
 from __future__ import annotations
 

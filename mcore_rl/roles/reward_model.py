@@ -19,8 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from mcore_rl.api.roles import _config
-from mcore_rl.config import RLConfig
+from mcore_rl.config import RLConfig, config_from_dict
 from mcore_rl.data.batch import Batch
 from mcore_rl.flow import Controller, DataStream, Megatron, factory
 
@@ -37,7 +36,7 @@ class RewardModelScore:
         from mcore_rl.flow import rank_context
         from mcore_rl.rl.reward_model import build_reward_model
 
-        cfg = _config(cfg_data)
+        cfg = config_from_dict(cfg_data)
         self.model = build_reward_model(cfg.reward, rank_context(), dtype=cfg.model.dtype)
 
     def __call__(self, batch: Batch) -> Batch:
@@ -76,8 +75,16 @@ class ServedMegatron:
     def world_size(self) -> int:
         return self.layout.world_size
 
-    def __call__(self, spec) -> "_ServedGroup":
-        return _ServedGroup(self.layout(spec), self.name)
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    def __call__(self, spec, placements: list[dict] | None = None) -> "_ServedGroup":
+        return _ServedGroup(self.layout(spec, placements), self.name)
 
     def __str__(self) -> str:
         return f"{self.layout} serving '{self.name}'"
@@ -96,6 +103,17 @@ class _ServedGroup:
         with self.lock:
             return self.group(item)
 
+    def run_loop(self, spec: Any, hub: Any, num_epochs: int | None):
+        """The controller's item loop here (each call under the service's lock), the batch
+        then handed to every rank."""
+        from mcore_rl.flow.item_loop import ItemLoop
+
+        return ItemLoop(spec, hub, self).run(num_epochs)
+
+    def invoke(self, method: str, *args: Any, role: str | None = None, **kwargs: Any) -> Any:
+        with self.lock:
+            return self.group.invoke(method, *args, role=role, **kwargs)
+
     def processes(self) -> list[tuple[str, int]]:
         return self.group.processes()
 
@@ -104,13 +122,13 @@ class _ServedGroup:
 
 
 def reward_controller(cfg: RLConfig, cfg_data: dict, rollout: DataStream,
-                      scored: DataStream) -> Controller:
+                      scored: DataStream, devices: Any = None) -> Controller:
     """The graph's reward controller for ``reward.name: reward_model``."""
     r, p = cfg.reward, cfg.parallel
     layout = Megatron(tp=r.rm_tp, pp=r.rm_pp, dp=r.rm_dp, seed=cfg.train.seed,
                       threads_per_rank=p.cpu_threads_per_rank, backend=p.backend)
     return Controller("reward", factory(RewardModelScore, cfg_data), data_input=rollout,
-                      data_output=scored, strategy=ServedMegatron(layout))
+                      data_output=scored, strategy=ServedMegatron(layout), devices=devices)
 
 
 class RewardModelClient:

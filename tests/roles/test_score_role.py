@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mcore_rl.api.roles import Score
+from mcore_rl.roles.score import Score
 from mcore_rl.config import load_config
 from mcore_rl.config.loader import config_to_dict
 from mcore_rl.data.batch import Batch

@@ -59,7 +59,7 @@ class ContinuousGenerate:
     """Prompt groups in, one rollout `Batch` per group out (see the module doc)."""
 
     def __init__(self, cfg_data: dict, model_dir: str | Path, name: str):
-        from mcore_rl.api.roles import Generate
+        from mcore_rl.roles.generate import Generate
 
         self._attach(Generate(cfg_data, model_dir, name))  # the engine, published as ``name``
 
@@ -145,7 +145,7 @@ class ContinuousGenerate:
             block = False
 
     def _start(self, item: dict) -> None:
-        from mcore_rl.api.worker import prompt_records
+        from mcore_rl.roles.generate import prompt_records
         from mcore_rl.rl import phases
 
         (record,) = prompt_records([item["prompt"]])

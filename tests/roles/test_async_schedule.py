@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_rl.api.rl_graph import run_rl_graph
+from mcore_rl.roles.graph import run_job
 from mcore_rl.config import load_config, validate_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ def test_two_vllm_replicas_serve_one_run_and_every_sync_is_verified_on_both(tmp_
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [
         f"logging.dir={tmp_path}", "train.steps=3", "train.max_staleness=1", "rollout.replicas=2",
         "train.warm_start_steps=40", "reshard.verify=true", "reshard.verify_every=1"]), 1)
-    stats = run_rl_graph(cfg)
+    stats = run_job(cfg)
     per_replica = [s.items_out for s in stats.instances if s.role == "rollout"]
     assert len(per_replica) == 2 and all(n > 0 for n in per_replica), per_replica
     prompts = cfg.train.steps * cfg.data.prompts_per_step
@@ -49,7 +49,7 @@ def test_async_colocated_parks_running_requests_while_the_engine_sleeps(tmp_path
         f"logging.dir={tmp_path}", "train.steps=3", "train.max_staleness=1",
         "rollout.placement=colocated", "train.warm_start_steps=40", "rollout.max_new_tokens=8",
         "model.max_position_embeddings=64"]), 1)
-    stats = run_rl_graph(cfg)
+    stats = run_job(cfg)
     steps = [h for h in _history(tmp_path) if h["step"] > 0]
     assert [h["step"] for h in steps] == [1, 2, 3]
     assert stats.roles["rollout"].items_out == stats.roles["reward"].items_in == 3 * 16
@@ -62,9 +62,9 @@ def test_a_stuck_replicas_groups_are_dropped_or_regenerated_and_counted(tmp_path
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [
         f"logging.dir={tmp_path}", "train.steps=4", "train.max_staleness=1", "rollout.replicas=2",
         "train.warm_start_steps=0",
-        "rollout.engine=tests.api.stuck_engine:build", "data.prompts_per_step=4",
+        "rollout.engine=tests.roles.stuck_engine:build", "data.prompts_per_step=4",
         "rollout.n_samples_per_prompt=4", f"train.on_stale={on_stale}"]), 1)
-    run_rl_graph(cfg)
+    run_job(cfg)
     steps = [h for h in _history(tmp_path) if h["step"] > 0]
     assert all(h["rollout/staleness_max"] <= 1 for h in steps)  # nothing older is trained on
     dropped = sum(h["rollout/stale_dropped"] for h in steps)
@@ -83,11 +83,11 @@ def test_a_replica_killed_mid_run_ends_the_run_with_an_error_naming_it(tmp_path)
 
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [
         f"logging.dir={tmp_path}", "train.steps=6", "train.max_staleness=1", "rollout.replicas=2",
-        "train.warm_start_steps=0", "rollout.engine=tests.api.stuck_engine:build_dying",
+        "train.warm_start_steps=0", "rollout.engine=tests.roles.stuck_engine:build_dying",
         "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4"]), 1)
     start = time.monotonic()
     with pytest.raises(FlowError) as err:
-        run_rl_graph(cfg)
+        run_job(cfg)
     first = str(err.value).splitlines()[0]
     assert first.startswith("controller 'rollout' #1 failed while running: its process died"), first
     assert (err.value.role, err.value.index) == ("rollout", 1)
@@ -97,13 +97,12 @@ def test_a_replica_killed_mid_run_ends_the_run_with_an_error_naming_it(tmp_path)
 def test_a_prompt_group_reaching_the_trainer_twice_is_an_error_not_a_second_update():
     from types import SimpleNamespace
 
-    from mcore_rl.api.roles import Train
+    from mcore_rl.trainer import check_once
 
-    train = Train.__new__(Train)
-    train.groups_seen = set()
-    train.state = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=2)))
-    train._check_once(SimpleNamespace(meta={"group_key": [(1, 0), (1, 0), (1, 1), (1, 1)]}))
+    state = SimpleNamespace(groups_seen=set(),
+                            cfg=SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=2)))
+    check_once(state, SimpleNamespace(meta={"group_key": [(1, 0), (1, 0), (1, 1), (1, 1)]}))
     with pytest.raises(RuntimeError, match=r"prompt group \(1, 1\) \(step, index\) reached the trainer twice"):
-        train._check_once(SimpleNamespace(meta={"group_key": [(2, 0), (2, 0), (1, 1), (1, 1)]}))
+        check_once(state, SimpleNamespace(meta={"group_key": [(2, 0), (2, 0), (1, 1), (1, 1)]}))
     with pytest.raises(RuntimeError, match=r"prompt group \(3, 0\)"):  # twice in one batch
-        train._check_once(SimpleNamespace(meta={"group_key": [(3, 0)] * 4}))
+        check_once(state, SimpleNamespace(meta={"group_key": [(3, 0)] * 4}))

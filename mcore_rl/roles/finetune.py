@@ -1,5 +1,6 @@
-"""What each rank of an `RLTrainer` holds for a fine-tuning job (``train.job``: sft, rm,
-dpo, kto): one `FinetuneRun`, stepped on records the driver passes in."""
+"""The trainer role of the fine-tuning jobs (``train.job``: sft, rm, dpo, kto, online_dpo):
+the Megatron ranks, each step reading its own records (`finetune_step`), or, driven by
+`mcore_rl.RLTrainer`, stepping on records the driver passes in (`update`)."""
 from __future__ import annotations
 
 import os
@@ -7,31 +8,56 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mcore_rl.config import RLConfig
+from mcore_rl.config import config_from_dict
 from mcore_rl.errors import UsageError
 
 
-class FinetuneWorker:
-    """One rank's fine-tuning run, built in the rank's process (`mcore_rl.flow.rank_context`)."""
+class FinetuneTrain:
+    """One fine-tuning run on every rank (`mcore_rl.flow.rank_context`). Called once per step
+    of the job's graph; once ``train.steps`` steps are done it ends the launch."""
 
-    def __init__(self, cfg_data: dict):
-        from mcore_rl.config.loader import _build
+    def __init__(self, cfg_data: dict, stop: Any = None):
         from mcore_rl.finetune.loop import resume_or_start
         from mcore_rl.finetune.setup import build_finetune_run
         from mcore_rl.flow import rank_context
         from mcore_rl.rl.setup import initial_model_removed_on_failure
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        cfg = _build(RLConfig, cfg_data, "")
+        from mcore_rl.roles.train import report_placement
+
+        cfg = config_from_dict(cfg_data)
         ctx = rank_context()
+        report_placement(ctx)
+        self.stop = stop
         with initial_model_removed_on_failure(cfg, ctx):
             self.run = build_finetune_run(cfg, ctx)
             resume_or_start(self.run)
 
+    def __call__(self, item: Any = None) -> dict[str, float] | None:
+        """The next step of the job, on records it reads itself; none once the run is done."""
+        from mcore_rl.finetune.loop import after_step, finetune_step
+        from mcore_rl.flow import finish_launch
+
+        run = self.run
+        if run.step >= run.cfg.train.steps:
+            finish_launch()
+            return None
+        from mcore_rl.errors import StopRequested
+
+        run.step += 1
+        metrics = finetune_step(run)
+        try:
+            after_step(run, metrics, self.stop)
+        except StopRequested as req:
+            self.stop.acknowledge(run.ctx, req.step)
+            raise
+        return metrics
+
     def update(self, records: list[dict]) -> dict[str, float]:
-        """One optimizer step on ``records`` (the job's record format)."""
+        """One optimizer step on ``records`` (the job's record format), then what follows a
+        step (`mcore_rl.RLTrainer.update`)."""
         from mcore_rl.data.finetune_records import EXAMPLES
-        from mcore_rl.finetune.loop import learn_from
+        from mcore_rl.finetune.loop import after_step, learn_from
         from mcore_rl.finetune.setup import max_length
 
         run = self.run
@@ -43,7 +69,7 @@ class FinetuneWorker:
                              "data-parallel ranks; pass at least one per rank")
         run.step += 1
         metrics = learn_from(run, run.job.batch(examples, run.tokenizer.pad_id), t0)
-        run.log.log(run.step, metrics, console=False)
+        after_step(run, metrics)
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -65,7 +91,7 @@ class FinetuneWorker:
     def info(self) -> dict[str, Any]:
         run = self.run
         return {"step": run.step, "weight_version": None, "layout": str(run.ctx.layout),
-                "log_dir": str(run.log.dir), "n_samples_per_prompt": run.cfg.rollout.n_samples_per_prompt}
+                "log_dir": str(run.log.dir), "max_staleness": None}
 
     def close(self) -> None:
         from mcore_rl.finetune.loop import finish

@@ -53,8 +53,8 @@ def _rollout(parts, monkeypatch, mode: str, samples: int = 1, switches=(SWITCH_A
     back, and so on) loaded after each of ``switches`` engine steps; per group: prompt ids,
     response ids, their versions (of its first sample); the role's counts; every sample's
     response ids and versions. Greedy for one sample, sampled (temperature 1) for more."""
-    from mcore_rl.api.continuous import ContinuousGenerate
-    from mcore_rl.api.rl_graph import group_items
+    from mcore_rl.roles.continuous import ContinuousGenerate
+    from mcore_rl.roles.graph import group_items
     from mcore_rl.flow.entries import unpack
 
     engine = parts.engine

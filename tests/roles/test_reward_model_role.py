@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_rl.api.rl_graph import run_rl_graph
+from mcore_rl.roles.graph import run_job
 from mcore_rl.config import RewardConfig, load_config, validate_config
 from tests.world import shared_world
 
@@ -17,14 +17,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _train_reward_model(rank, world_size, log_dir: str) -> None:
-    from mcore_rl.finetune.loop import run_finetune
-    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.parallel import destroy_parallel
+    from mcore_rl.roles.graph import run_in_this_world
 
     cfg = validate_config(load_config(REPO / "configs" / "rm_quickstart.yaml", [
-        f"logging.dir={log_dir}", "train.steps=3", "train.val_every=0"]), world_size)
-    ctx = initialize_parallel(tp=1, pp=1, seed=cfg.train.seed)  # DP2
-    run_finetune(cfg, ctx)
-    destroy_parallel()
+        f"logging.dir={log_dir}", "train.steps=3", "train.val_every=0"]), world_size)  # DP2
+    try:
+        run_in_this_world(cfg)
+    finally:
+        destroy_parallel()
 
 
 def _rm_scores(rank, world_size, path: str, prompts, responses):
@@ -48,7 +49,7 @@ def test_the_reward_controller_scores_rollouts_with_a_trained_reward_model(tmp_p
         "logging.samples_every=1", "checkpoint.save_every=0", "logging.tensorboard=false",
         "logging.progress_bar=false", f"logging.dir={run}", "reward.name=reward_model",
         f"reward.reward_model_path={tmp_path / 'rm'}", "reward.rm_tp=2"]), 1)
-    stats = run_rl_graph(cfg)
+    stats = run_job(cfg)
     assert [stats.roles[r].calls for r in ("rollout", "reward", "trainer")] == [2, 2, 2]
 
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

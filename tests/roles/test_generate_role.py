@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from mcore_rl.api.roles import Generate
+from mcore_rl.roles.generate import Generate
 from mcore_rl.config import load_config
 from mcore_rl.data.toy_task import toy_tokenizer
 from mcore_rl.engines.hf_engine import HFEngine

@@ -1,0 +1,253 @@
+"""Every job as a graph of controllers, placed on the machine's cores or the cluster's GPUs.
+
+- RL (``train.job: rl``): rollout (an engine per replica) -> reward -> trainer, the weight
+  sync from the trainer into every engine after each update. ``rollout.placement``:
+  ``colocated`` (the engine takes turns with the trainer on the same devices), ``separate``
+  (devices of its own, overlapping), ``fused`` (rollout and reward fused into the trainer's
+  first rank: in-process streams, the engine owned by rank 0; the synchronous schedule).
+- Fine-tuning (sft, rm, dpo, kto, online_dpo) and ``smoke``: one trainer controller that
+  reads its own records step by step.
+
+``train.schedule``: ``sync`` admits one step's prompts at a time (``max_in_flight``);
+``one_step_off`` one step more; ``async`` streams prompt groups through the engines, at
+most ``max_staleness`` steps ahead. Several replicas take a step's prompt groups by load,
+under every schedule.
+
+    stats = run_job(load_config("configs/quickstart.yaml"))
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+from mcore_rl.config import RLConfig
+from mcore_rl.config.loader import config_to_dict
+from mcore_rl.rewards.reward_model import REWARD_MODEL
+
+
+@dataclass
+class JobGraph:
+    """A job's controllers and how to launch them."""
+
+    group: Any
+    """The `ControllerGroup`."""
+    data: Any = None
+    """What the driver feeds (several rollout replicas share the prompt groups), or None:
+    the first controller reads its own."""
+    max_in_flight: int | None = None
+    launch_kwargs: dict = field(default_factory=dict)
+
+
+def model_dir_for(cfg: RLConfig) -> Path:
+    """The HF directory the run starts from (``model.path``, or the random tiny model)."""
+    if cfg.model.path:
+        from mcore_rl.models.builtin import resolve_model_path
+
+        return resolve_model_path(cfg.model.path)
+    from mcore_rl.rl.setup import write_initial_model
+
+    return write_initial_model(cfg)
+
+
+def resume_point(cfg: RLConfig) -> tuple[int, int]:
+    """(step, data position) the run continues from: those of the checkpoint that
+    ``checkpoint.resume`` selects, or (0, 0)."""
+    from mcore_rl.rl.setup import trained_parts
+    from mcore_rl.train.run_checkpoints import RunCheckpoints
+
+    path = RunCheckpoints.for_config(cfg).resolve_resume(cfg.checkpoint.resume, trained_parts(cfg),
+                                                         cfg.logging.dir).path
+    if path is None:
+        return 0, 0
+    run = json.loads((Path(path) / "run_state.json").read_text())
+    return run["step"], run["data_position"]
+
+
+def prompt_items(cfg_data: dict, start_step: int, position: int) -> Iterator[dict]:
+    """One item per step to go: ``{"step", "prompts"}``, from the config's prompt source in
+    the order ``mcore-rl train`` takes them. With ``algorithm.dynamic_sampling`` a step may
+    take ``dynamic_sampling_max_rounds`` more items: there are that many more per step
+    (``step`` then numbers items, seeding their sampling), and the trainer ends the launch
+    once it has taken its last step."""
+    from mcore_rl.config import config_from_dict
+    from mcore_rl.data.prompts import PromptStream, load_prompt_records
+
+    cfg = config_from_dict(cfg_data) if isinstance(cfg_data, dict) else cfg_data
+    stream = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
+    stream.position = position
+    rounds = 1 + (cfg.algorithm.dynamic_sampling_max_rounds if cfg.algorithm.dynamic_sampling else 0)
+    for step in range(start_step + 1, start_step + (cfg.train.steps - start_step) * rounds + 1):
+        records = stream.take(cfg.data.prompts_per_step)
+        yield {"step": step, "prompts": [{"prompt": r.prompt, **r.meta} for r in records]}
+
+
+def group_items(cfg_data: dict, start_step: int, position: int) -> Iterator[dict]:
+    """The prompts of `prompt_items` one by one: ``{"step", "index", "prompt"}`` (index:
+    the prompt's place in its step), the items when prompt groups stream through engines."""
+    for item in prompt_items(cfg_data, start_step, position):
+        for index, prompt in enumerate(item["prompts"]):
+            yield {"step": item["step"], "index": index, "prompt": prompt}
+
+
+def streams_groups(cfg: RLConfig) -> bool:
+    """Whether the rollout streams prompt groups (asynchronous, or several replicas taking a
+    step's groups by load) rather than generating a step's prompts in one call."""
+    return cfg.train.schedule == "async" or cfg.rollout.replicas > 1
+
+
+def max_in_flight(cfg: RLConfig) -> int:
+    """Items between the prompt source and the end of the trainer's steps: a step's item
+    (or prompt groups) for sync, two steps for one_step_off, ``max_staleness + 1`` steps
+    for async (the rollout runs at most ``max_staleness`` steps ahead: the staleness bound
+    at admission)."""
+    t = cfg.train
+    steps = {"sync": 1, "one_step_off": 2}.get(t.schedule, t.max_staleness + 1)
+    return steps * (cfg.data.prompts_per_step if streams_groups(cfg) else 1)
+
+
+def trainer_strategy(cfg: RLConfig):
+    """The Megatron layout of the trainer's worker group."""
+    from mcore_rl.flow import Megatron
+
+    p = cfg.parallel
+    world = (p.dp or 1) * p.tp * p.pp
+    return Megatron(tp=p.tp, pp=p.pp, dp=world // (p.tp * p.pp), vpp=p.vpp, seed=cfg.train.seed,
+                    threads_per_rank=p.cpu_threads_per_rank, backend=p.backend, ep=p.ep, etp=p.etp)
+
+
+def replica_cores(replicas: int, gpus: bool) -> list[list[int] | None]:
+    """CPU devices of each engine replica's controller: one replica runs unpinned (its engine
+    places itself, `mcore_rl.engines.placement`); several share this machine's cores out,
+    one core or more each. On GPUs: None (they get GPUs)."""
+    if replicas == 1 or gpus:
+        return [None] * replicas
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // replicas)
+    return [cores[(i * per) % len(cores):][:per] or [cores[i % len(cores)]] for i in range(replicas)]
+
+
+def rl_graph(cfg: RLConfig, model_dir: Path, stop: Any = None, gpus: bool = False,
+             driven: bool = False) -> JobGraph:
+    """The RL job's graph (module doc). ``stop``: what the trainer asks at every step
+    boundary (``should_stop(ctx)``); ``gpus``: place on the cluster's GPUs; ``driven``: for
+    `RLTrainer` (no reward controller, no data: the driver samples, scores and updates)."""
+    from mcore_rl.flow import GPUs, Controller, ControllerGroup, DataStream, factory
+    from mcore_rl.roles.continuous import ContinuousGenerate
+    from mcore_rl.roles.generate import Generate
+    from mcore_rl.roles.reward_model import reward_controller
+    from mcore_rl.roles.score import Score
+    from mcore_rl.roles.train import Train
+
+    data = config_to_dict(cfg)
+    r = cfg.rollout
+    fused, colocated = r.placement == "fused", r.placement in ("colocated", "fused")
+    by_groups = streams_groups(cfg) and not driven
+    groups = cfg.data.prompts_per_step if by_groups else 1
+    rollout, scored = DataStream("rollout", groups), DataStream("scored", groups)
+    step, position = (0, 0) if driven else resume_point(cfg)
+    own = None if by_groups or driven else factory(prompt_items, data, step, position)
+    engines = [f"engine/{i}" for i in range(r.replicas)]
+    role = ContinuousGenerate if by_groups else Generate
+    engine_devices = [GPUs(r.engine_tp, share="trainer" if colocated else None)] * r.replicas \
+        if gpus else replica_cores(r.replicas, gpus)
+    rollouts = [Controller("rollout", factory(role, data, str(model_dir), name), data=own,
+                           data_output=None if driven else rollout, streaming=by_groups,
+                           devices=None if fused else devices,
+                           fused_with="trainer" if fused else None)
+                for name, devices in zip(engines, engine_devices)]
+    trainer = Controller("trainer", factory(Train, data, str(model_dir), engines, False, stop,
+                                            colocated),
+                         data_input=None if driven else scored, batch_items=groups,
+                         strategy=trainer_strategy(cfg), devices=GPUs() if gpus else None)
+    if driven:
+        return JobGraph(ControllerGroup([*rollouts, trainer]))
+    if cfg.reward.name == REWARD_MODEL:
+        reward = reward_controller(cfg, data, rollout, scored, devices=GPUs() if gpus else None)
+    else:
+        reward = Controller("reward", factory(Score, data), data_input=rollout, data_output=scored,
+                            fused_with="trainer" if fused else None)
+    graph = ControllerGroup([*rollouts, reward, trainer])
+    if by_groups:  # the driver feeds the groups: the replicas take them by load
+        return JobGraph(graph, data=group_items(data, step, position), max_in_flight=max_in_flight(cfg))
+    return JobGraph(graph, max_in_flight=None if fused else max_in_flight(cfg))
+
+
+def trainer_graph(cfg: RLConfig, stop: Any = None, gpus: bool = False, driven: bool = False) -> JobGraph:
+    """The graph of a fine-tuning or smoke job: one trainer controller that reads its own
+    records, a step per call (``driven``: stepped by `RLTrainer` instead)."""
+    from mcore_rl.flow import GPUs, Controller, ControllerGroup, factory
+    from mcore_rl.roles.finetune import FinetuneTrain
+    from mcore_rl.roles.smoke import SmokeTrain
+
+    role = SmokeTrain if cfg.train.job == "smoke" else FinetuneTrain
+    trainer = Controller("trainer", factory(role, config_to_dict(cfg), stop),
+                         data=None if driven else factory(itertools.count, 1),
+                         strategy=trainer_strategy(cfg), devices=GPUs() if gpus else None)
+    return JobGraph(ControllerGroup([trainer]))
+
+
+def job_graph(cfg: RLConfig, stop: Any = None, gpus: bool = False, driven: bool = False,
+              dry_run: bool = False):
+    """(the run's config, with the model directory it starts from, and its `JobGraph`).
+    ``dry_run``: a graph to plan only (`mcore-rl placement`): no model is written or read."""
+    if cfg.train.job != "rl":
+        return cfg, trainer_graph(cfg, stop, gpus, driven)
+    if dry_run:
+        return cfg, rl_graph(cfg, Path(cfg.model.path or "<random initial model>"), stop, gpus)
+    model_dir = model_dir_for(cfg)
+    cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
+    return cfg, rl_graph(cfg, model_dir, stop, gpus, driven)
+
+
+def run_job(cfg: RLConfig, stop: Any = None, address: str | None = None):
+    """Launch ``cfg``'s job as its graph on Ray (joined, or started here) and wait for it;
+    its `FlowStats`. A run that fails before its first checkpoint removes the random
+    initial model it wrote."""
+    from mcore_rl.flow import gpu_placement, launch, ray_shim
+    from mcore_rl.rl.setup import initial_model_removed_on_failure
+
+    ray = ray_shim.require()
+    stop_ray = None if ray.is_initialized() else ray_shim.start_local(
+        address=address, include_dashboard=False)
+    try:
+        with initial_model_removed_on_failure(cfg, _DRIVER):
+            cfg, job = job_graph(cfg, stop, gpus=gpu_placement.has_gpus())
+            return launch(job.group, data=job.data, max_in_flight=job.max_in_flight)
+    finally:
+        if stop_ray is not None:
+            stop_ray()
+
+
+def run_in_this_world(cfg: RLConfig, stop: Any = None):
+    """``cfg``'s job with every role in the trainer's ranks, on the torch.distributed world
+    this process is a rank of (`mcore_rl.flow.in_world`): how tests and benchmarks run the
+    ``fused`` placement in a world they keep for many runs. Rank 0's stats."""
+    from mcore_rl.flow.in_world import run_in_world
+    from mcore_rl.rl.setup import initial_model_removed_on_failure
+
+    import torch.distributed as dist
+
+    if cfg.train.job == "rl":
+        cfg = replace(cfg, rollout=replace(cfg.rollout, placement="fused"))
+    p = cfg.parallel
+    if p.dp is None:  # the world's ranks, as mcore-rl train --nproc sets them
+        cfg = replace(cfg, parallel=replace(p, dp=dist.get_world_size() // (p.tp * p.pp)))
+
+    with initial_model_removed_on_failure(cfg, _Rank(dist.get_rank() == 0)):
+        if cfg.train.job == "rl" and dist.get_rank() == 0:
+            model_dir_for(cfg)  # written once, before the other ranks read it
+        dist.barrier()
+        cfg, job = job_graph(cfg, stop)
+        return run_in_world(job.group)
+
+
+class _Rank:
+    def __init__(self, is_controller: bool):
+        self.is_controller = is_controller
+
+
+_DRIVER = _Rank(True)

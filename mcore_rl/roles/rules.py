@@ -1,0 +1,103 @@
+"""What can run, checked in one place before anything starts: the config's own checks
+against the model, which job, schedule and placement go together, and what the job reads
+(names, data, the checkpoint to resume from). Every driver asks here first: ``mcore-rl
+train``, ``mcore-rl launch slurm``, ``mcore-rl placement``, ``mcore-rl config show`` and
+`mcore_rl.RLTrainer`. Each refusal is one `UsageError` line naming the setting and the fix."""
+from __future__ import annotations
+
+from mcore_rl.config import RLConfig, validate_config
+from mcore_rl.errors import ConfigError, UsageError
+from mcore_rl.rewards.reward_model import REWARD_MODEL
+
+API_JOBS = ("rl", "sft", "rm", "dpo", "kto")
+"""``train.job`` of the configs an `RLTrainer` drives (smoke and online DPO run whole, with
+``mcore-rl train``)."""
+
+
+def world_size_of(cfg: RLConfig) -> int:
+    """The trainer's ranks: ``tp * pp * dp`` (dp 1 when unset)."""
+    p = cfg.parallel
+    return (p.dp or 1) * p.tp * p.pp
+
+
+def check_config(cfg: RLConfig, world_size: int | None = None, driver: str = "train") -> RLConfig:
+    """The config's own checks against the model's shape, then the job x schedule x
+    placement rules (``driver``: ``train`` or ``api``)."""
+    from mcore_rl.models.shape import model_shape
+
+    validate_config(cfg, world_size, model_shape(cfg.model))
+    check_combination(cfg, driver)
+    return cfg
+
+
+def check_runnable(cfg: RLConfig, world_size: int | None = None, driver: str = "train") -> RLConfig:
+    """`check_config`, then what the job reads: registered names, the reward, the data, the
+    checkpoint to resume from. Nothing is started or written."""
+    check_config(cfg, world_size, driver)
+    job = cfg.train.job
+    if job == "rl":
+        from mcore_rl.rl.setup import check_job
+
+        check_job(cfg)
+    elif job == "smoke":
+        from mcore_rl.train.run_checkpoints import RunCheckpoints
+
+        RunCheckpoints.for_config(cfg).resolve_resume(cfg.checkpoint.resume, ["model"],
+                                                      cfg.logging.dir)
+    else:
+        from mcore_rl.finetune.check import check_finetune_job
+
+        check_finetune_job(cfg)
+    return cfg
+
+
+def check_combination(cfg: RLConfig, driver: str = "train") -> None:
+    """Which job, schedule, placement, replicas and reward go together."""
+    job, t, r = cfg.train.job, cfg.train, cfg.rollout
+    if driver == "api" and job not in API_JOBS:
+        raise UsageError(f"RLTrainer runs train.job {', '.join(API_JOBS)}, not {job!r}; run it "
+                         "with mcore-rl train")
+    if job != "rl":
+        return
+    reward_model = cfg.reward.name == REWARD_MODEL
+    if reward_model and driver == "api":
+        raise UsageError("RLTrainer does not start the worker group that reward.name=reward_model "
+                         "scores with: give update() rollouts with their 'reward' (validate() "
+                         "scores with reward.name: set a rule-based one), or run the config with "
+                         "mcore-rl train")
+    if r.placement == "fused":
+        _check_fused(cfg, reward_model)
+    if cfg.environment.name and (t.schedule == "async" or r.replicas > 1):
+        raise ConfigError(f"environment.name={cfg.environment.name}: multi-turn rollouts run turn "
+                          "by turn over a batch on one engine, which train.schedule=async and "
+                          "rollout.replicas > 1 (prompt groups streamed through the engines) do "
+                          "not do yet; use train.schedule=sync or one_step_off and one replica")
+    if t.on_stale == "regenerate" and t.schedule != "async":
+        raise ConfigError(f"train.on_stale=regenerate needs train.schedule=async (the rollout "
+                          f"regenerates groups as it runs); with train.schedule={t.schedule} set "
+                          "train.on_stale=drop")
+    if t.schedule == "one_step_off" and t.max_staleness < 1:
+        raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "
+                          f"old, but train.max_staleness={t.max_staleness} allows none; set "
+                          "train.max_staleness=1 (or more)")
+
+
+def _check_fused(cfg: RLConfig, reward_model: bool) -> None:
+    t, r = cfg.train, cfg.rollout
+    if t.schedule != "sync":
+        raise ConfigError(f"rollout.placement=fused runs rollout, reward and update in line in the "
+                          f"trainer's first rank, so nothing overlaps; train.schedule={t.schedule} "
+                          "needs the engine in a controller of its own: set "
+                          "rollout.placement=colocated (or separate), or train.schedule=sync")
+    if r.replicas > 1:
+        raise ConfigError(f"rollout.placement=fused holds one engine, in the trainer's first rank; "
+                          f"rollout.replicas={r.replicas} need controllers of their own: set "
+                          "rollout.placement=colocated (or separate), or rollout.replicas=1")
+    if r.engine_tp > 1:
+        raise ConfigError(f"rollout.placement=fused runs the engine in the trainer's first rank, "
+                          f"on that rank's device; rollout.engine_tp={r.engine_tp} needs workers "
+                          "of its own: set rollout.placement=colocated, or rollout.engine_tp=1")
+    if reward_model:
+        raise ConfigError("reward.name=reward_model scores with a worker group of its own, which "
+                          "rollout.placement=fused (every role in the trainer's ranks) does not "
+                          "start: set rollout.placement=colocated (or separate)")
