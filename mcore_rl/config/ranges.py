@@ -119,7 +119,7 @@ RANGES: dict[str, Range] = {
     "logging.samples_every": Range(low=0, fix="0 turns sample logs off"),
     "launch.nodes": COUNT,
     "launch.gpus_per_node": COUNT,
-    "launch.cpus_per_node": Range(low=0, fix="0 takes ranks x parallel.cpu_threads_per_rank"),
+    "launch.cpus_per_node": Range(low=0, fix="0 takes the cluster's default"),
     "launch.signal_lead_s": NON_NEGATIVE,
     "launch.preflight_timeout_s": COUNT,
     "train.steps": NON_NEGATIVE,

@@ -357,8 +357,9 @@ class RewardConfig:
     timeout_s: float = 0.0
     """Time limit per sample (a batched call: per sample of its chunk) for async functions
     and functions run by ``workers``; past it the sample scores ``failure_score`` and counts
-    in ``reward/timeouts``. A synchronous function with ``workers: 0`` is not interrupted.
-    0: no limit."""
+    in ``reward/timeouts``. A synchronous function with ``workers: 0`` is not interrupted
+    (the built-in ``math`` reward bounds each sample to 5 s itself, and ``code`` to
+    ``code_time_limit_s`` per run). 0: no limit."""
     failure_score: float = 0.0
     """Score of a sample that timed out, whose worker process died (``reward/worker_deaths``),
     whose function reported a failure (`RewardFailure`, e.g. a program that crashed under

@@ -5,6 +5,8 @@
   ``colocated`` (the engine takes turns with the trainer on the same devices), ``separate``
   (devices of its own, overlapping), ``fused`` (rollout and reward fused into the trainer's
   first rank: in-process streams, the engine owned by rank 0; the synchronous schedule).
+  A synchronous step of one replica scores in the trainer's first rank under every
+  placement (`scores_in_trainer`); a reward model always has a controller of its own.
 - Fine-tuning (sft, rm, dpo, kto, online_dpo) and ``smoke``: one trainer controller that
   reads its own records step by step.
 
@@ -130,6 +132,15 @@ def replica_cores(replicas: int, gpus: bool) -> list[list[int] | None]:
     return [cores[(i * per) % len(cores):][:per] or [cores[i % len(cores)]] for i in range(replicas)]
 
 
+def scores_in_trainer(cfg: RLConfig, by_groups: bool) -> bool:
+    """Whether a reward function (not a reward model) runs in the trainer's first rank:
+    always with ``fused``; with the other placements when the step is synchronous and one
+    batch (``sync``, one replica), where scoring sits between generation and update whatever
+    process does it, so the rollout hands its batch to the trainer directly. With overlapping
+    schedules the reward keeps a controller of its own, scoring beside the update."""
+    return cfg.rollout.placement == "fused" or (cfg.train.schedule == "sync" and not by_groups)
+
+
 def rl_graph(cfg: RLConfig, model_dir: Path, stop: Any = None, gpus: bool = False,
              driven: bool = False) -> JobGraph:
     """The RL job's graph (module doc). ``stop``: what the trainer asks at every step
@@ -168,8 +179,11 @@ def rl_graph(cfg: RLConfig, model_dir: Path, stop: Any = None, gpus: bool = Fals
     if cfg.reward.name == REWARD_MODEL:
         reward = reward_controller(cfg, data, rollout, scored, devices=GPUs() if gpus else None)
     else:
+        # Synchronous steps score on the trainer's critical path anyway: there the reward
+        # runs in the trainer's first rank, one hand-off fewer (`scores_in_trainer`).
         reward = Controller("reward", factory(Score, data), data_input=rollout, data_output=scored,
-                            fused_with="trainer" if fused else None)
+                            fused_with="trainer" if fused or scores_in_trainer(cfg, by_groups)
+                            else None)
     graph = ControllerGroup([*rollouts, reward, trainer])
     if by_groups:  # the driver feeds the groups: the replicas take them by load
         return JobGraph(graph, data=group_items(data, step, position), max_in_flight=max_in_flight(cfg))

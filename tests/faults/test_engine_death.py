@@ -84,7 +84,7 @@ def marked_engine_cores(mark: str) -> list[int]:
 
 def reward_that_kills_the_engine_at_step_2(prompt, response, meta):
     """Exact match; the 17th call (step 2, with 16 samples per step) kills the run's engine
-    core (the reward runs in a controller of its own, beside the engine's)."""
+    core (the reward runs in a process apart from the engine's)."""
     global _calls
     _calls = globals().get("_calls", 0) + 1
     if _calls == 17:

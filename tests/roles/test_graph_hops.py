@@ -27,10 +27,11 @@ def test_a_synchronous_step_waits_on_at_most_eight_ray_round_trips(ray_cluster, 
     assert stats.steps == roles["trainer"].calls == STEPS
     # the rollout reads its own prompts, paced: one wait for the trainer per step but the first
     assert roles["rollout"].round_trips == STEPS - 1
-    # each hand-off: the get from the stream and the fetch of the batch
-    assert roles["reward"].round_trips == 2 * STEPS
-    # the trainer's rank 0 takes the batch (2), puts the engine to sleep (1) and syncs it in
-    # one call (1); the other ranks get the batch from rank 0, not through Ray
+    # the reward scores in the trainer's first rank: no hand-off of its own
+    assert roles["reward"].calls == STEPS and roles["reward"].round_trips == 0
+    # the trainer's rank 0 takes the batch (the get from the stream and the fetch: 2), puts
+    # the engine to sleep (1) and syncs it in one call (1); the other ranks get the batch
+    # from rank 0, not through Ray
     assert roles["trainer"].round_trips == 4 * STEPS
     assert stats.round_trips_per_step <= 8
 
