@@ -4,8 +4,10 @@ math-verify (`mcore_rl.rewards.math_verify_shim`) reads LaTeX and plain expressi
 sympy and compares them as mathematics: a nested ``\\boxed{\\frac{\\sqrt{2}}{2}}``,
 ``\\dfrac{3}{4}``, ``0.75`` and ``3/4`` are one answer, ``x = 3`` is accepted for ``3``,
 sets and intervals compare as such. The response's answer is its last ``\\boxed{}`` (all of
-them, as a set, where there are several), else the last LaTeX or plain expression after an
-"answer is"-style phrase, else the last one in the text; a response with none scores 0.
+them, as a set, where there are several), else its GSM8K answer line (``#### 72``), else the
+last LaTeX or plain expression after an "answer is"-style phrase, else the last one in the
+text; a response with none scores 0. A reference in GSM8K's form (the worked solution, then
+``#### 72``) is read by its answer line.
 
 Time: a pathological answer (``9^{9^{9^{9}}}``) can keep sympy busy for hours. math-verify's
 own timeouts (``signal.alarm``) are off: they work only in the main thread and cancel any
@@ -113,11 +115,33 @@ def _warn_unbounded_once() -> None:
                    "pathological answer: bound it with reward.workers and reward.timeout_s")
 
 
+_GSM8K_MARK = "####"
+"""GSM8K's final-answer line: ``#### 72`` after the worked solution."""
+
+
+def _gsm8k_final(text: str) -> str | None:
+    """What follows the last ``####`` (GSM8K's answer line), thousands separators dropped,
+    or None when there is none."""
+    at = text.rfind(_GSM8K_MARK)
+    if at == -1:
+        return None
+    final = text[at + len(_GSM8K_MARK):].strip().splitlines()
+    return re.sub(r"(?<=\d),(?=\d{3})", "", final[0]).strip() if final and final[0].strip() else None
+
+
+def _response_text(response: str) -> str:
+    """The response as math-verify reads it: its GSM8K answer line alone when it ends so and
+    has no box (the worked solution before it holds other numbers), else all of it."""
+    final = _gsm8k_final(response) if _BOXED not in response else None
+    return f"${final}$" if final else response
+
+
 def _reference_text(answer) -> str:
-    """``meta["answer"]`` as math-verify reads it: inside ``$...$`` unless it already has a
-    math environment or a box (so ``(1, 2]`` is an interval and ``\\sqrt{2}`` parses, not
-    their last number)."""
+    """``meta["answer"]`` as math-verify reads it: GSM8K's ``#### 72`` line alone when there
+    is one, and inside ``$...$`` unless it already has a math environment or a box (so
+    ``(1, 2]`` is an interval and ``\\sqrt{2}`` parses, not their last number)."""
     text = str(answer).strip()
+    text = _gsm8k_final(text) or text
     delimited = any(mark in text for mark in ("$", "\\boxed", "\\(", "\\["))
     return text if delimited else f"${text}$"
 
@@ -138,7 +162,7 @@ def math_reward(prompt: str, response: str, meta: dict, *,
         gold = math_verify_shim.parse(_reference_text(meta["answer"]))
         if not gold:
             raise ValueError(f"math-verify finds no answer in the reference {meta['answer']!r}")
-        predicted = math_verify_shim.parse(response)
+        predicted = math_verify_shim.parse(_response_text(response))
         return 1.0 if predicted and math_verify_shim.verify(gold, predicted) else 0.0
 
 

@@ -55,6 +55,31 @@ def test_wrong_answer_scores_zero(response, answer):
     assert math_reward("", response, {"answer": answer}) == 0.0
 
 
+GSM8K_GOLD = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+              "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+
+
+@pytest.mark.parametrize("response, score", [
+    ("She sold 24 in May, 48 + 24 = 72 in all.\n#### 72", 1.0),
+    ("48 + 24 = 72.\n#### 72\n", 1.0),
+    ("48 + 24 = 72, so \\boxed{72}", 1.0),
+    # the worked solution reaches 72 but the answer line says otherwise: the line counts
+    ("48 + 24 = 72, minus the 1,000 she kept.\n#### 71", 0.0),
+    ("#### 70 + 2", 1.0),
+    # text after the answer line holds other numbers: the line is the answer
+    ("48 + 24 = 72.\n#### 72\nHope this helps with your 2 questions!", 1.0),
+    ("48 + 24 = 72.\n#### 71\nThat is 1 less than 72.", 0.0),
+])
+def test_a_gsm8k_answer_line_is_the_answer(response, score):
+    assert math_reward("", response, {"answer": GSM8K_GOLD}) == score
+
+
+def test_gsm8k_thousands_separators_are_one_number():
+    assert math_reward("", "so it costs\n#### 1,234", {"answer": "... #### 1234"}) == 1.0
+    assert math_reward("", "\n#### 1234", {"answer": "... \n#### 1,234"}) == 1.0
+    assert math_reward("", "\n#### 1,235", {"answer": "... \n#### 1,234"}) == 0.0
+
+
 @pytest.mark.parametrize("response", ["I do not know.", "", "\\boxed{}", "\\boxed{3"])
 def test_response_without_an_answer_scores_zero(response):
     assert math_reward("", response, {"answer": "3"}) == 0.0
