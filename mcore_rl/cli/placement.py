@@ -4,8 +4,8 @@ GPUs each, as a dry run on this machine.
 
 It starts a local Ray of N simulated nodes with G logical GPUs each, plans the graph's GPUs
 and creates its placement groups with the same code a launch uses (`mcore_rl.flow.
-gpu_placement`), starts a light probe actor (no torch) in every slot as a rank is started
-there, and prints what each was given: its node, its GPU (``ray.get_gpu_ids()``),
+gpu_placement`), starts a light probe actor (no torch) in every slot with the options a
+rank or an engine's worker there gets, and prints what each was given: its node, its GPU (``ray.get_gpu_ids()``),
 ``CUDA_VISIBLE_DEVICES`` and the device index the rank would bind. Nothing of the job runs
 and nothing is written but ``--json``. A cluster too small for the config is refused in one
 line before any placement group exists."""

@@ -22,7 +22,8 @@ from mcore_rl.flow.strategies import Executor, resolve_strategy
 class ControllerProcess:
     """The actor behind one controller instance."""
 
-    def __init__(self, spec: InstanceSpec, hub: Any = None, placements: list[dict] | None = None):
+    def __init__(self, spec: InstanceSpec, hub: Any = None, placements: list[dict] | None = None,
+                 more_gpus: list[dict] | None = None):
         self.spec = spec
         self.placements = placements
         """Ray options of each of its processes (a GPU bundle each), or None (CPU)."""
@@ -30,8 +31,10 @@ class ControllerProcess:
         lead_process_group()
         services.set_hub(hub)
         if ray_shim.require().get_gpu_ids():  # placed in a GPU bundle: bind what Ray gave
-            from mcore_rl.flow.gpu_placement import bind_gpu
+            from mcore_rl.flow.gpu_placement import bind_gpu, see_bundles
 
+            if more_gpus:  # its other bundles' GPUs too, for the workers it starts (vLLM's)
+                see_bundles(more_gpus)
             bind_gpu()
 
     def where(self) -> tuple[str, int]:

@@ -73,8 +73,12 @@ class Reservation:
             self.groups[key] = placement_group(
                 [{"GPU": 1.0}] * len(gpus), strategy="STRICT_PACK",
                 bundle_label_selector=[{NODE_LABEL: key[2]}] * len(gpus))
-        ready = [pg.ready() for pg in self.groups.values()]
-        done, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
+        try:
+            ready = [pg.ready() for pg in self.groups.values()]
+            done, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
+        except BaseException:  # interrupted while waiting: no group outlives the launch
+            self.release()
+            raise
         if pending:
             self.release()
             raise UsageError(f"Ray did not grant {len(pending)} of {len(ready)} placement group(s) "
@@ -131,6 +135,26 @@ def bind_gpu(set_device: bool = True) -> int | None:
     return index
 
 
+def see_bundles(options: list[dict], timeout_s: float = 60.0) -> list[str]:
+    """Make the GPUs of further bundles (``options``: a process's placement in each)
+    visible to this process and what it starts: ``CUDA_VISIBLE_DEVICES`` becomes this
+    process's GPU, then theirs in order. An actor takes resources from one bundle only, so
+    an engine at TP N placed over N one-GPU bundles sits in the first, and its N workers
+    (processes it starts, not Ray's) see the N GPUs this way; a light probe in each other
+    bundle reads the GPU Ray gives there. Call it before CUDA starts in this process."""
+    ray = ray_shim.require()
+    cls = ray_shim.actor_class(DeviceProbe)
+    probes = [cls.options(**opts).remote() for opts in options]
+    try:
+        reports = ray.get([p.report.remote() for p in probes], timeout=timeout_s)
+    finally:
+        for p in probes:
+            ray.kill(p, no_restart=True)
+    ids = [str(i) for i in ray.get_gpu_ids()] + [r["gpu_ids"][0] for r in reports if r["gpu_ids"]]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(ids))
+    return ids
+
+
 class DeviceProbe:
     """A light actor placed like a rank (no torch): what it was given."""
 
@@ -149,6 +173,9 @@ def probe(slots: list[Slot], reservation: Reservation, timeout_s: float = 60.0) 
     actors = [cls.options(**reservation.options(s)).remote() for s in slots]
     try:
         reports = ray.get([a.report.remote() for a in actors], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise UsageError(f"the placement's probes did not start within {timeout_s:.0f} s (the "
+                         "cluster is busy or its nodes cannot start workers); try again") from None
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -163,6 +190,13 @@ def probe(slots: list[Slot], reservation: Reservation, timeout_s: float = 60.0) 
 
 
 
+def runs_ranks(spec) -> bool:
+    """Whether an instance runs as a worker group (rank processes of its own, each taking a
+    bundle), a group of one rank included; else its controller's process takes the GPUs."""
+    return spec.num_workers > 1 or spec.strategy == "worker_group" \
+        or bool(getattr(spec.strategy, "runs_ranks", False))
+
+
 def demands_of(instances: list) -> list[GroupDemand]:
     """The GPU demand of every instance whose devices are `GPUs`: a worker group's ranks in
     its strategy's layout (``tp``, ``pp``; the rest data-parallel), or a process's
@@ -174,7 +208,7 @@ def demands_of(instances: list) -> list[GroupDemand]:
         gpus = spec.devices
         if not isinstance(gpus, GPUs):
             continue
-        if spec.num_workers > 1:
+        if runs_ranks(spec):
             tp, pp = getattr(spec.strategy, "tp", 1), getattr(spec.strategy, "pp", 1)
             out.append(GroupDemand(spec.role, spec.index, tp, pp, spec.num_workers // (tp * pp),
                                    share=gpus.share))

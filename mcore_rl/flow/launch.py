@@ -199,16 +199,17 @@ class _Launch:
                                              for s in self.plan.instances) else {}
         controller = ray_shim.actor_class(ControllerProcess)
         for i, spec in enumerate(self.plan.instances):
-            options, placements = placed.get(i, ({"num_cpus": 0}, None))
+            options, placements, more = placed.get(i, ({"num_cpus": 0}, None, None))
             self.actors.append(controller.options(max_concurrency=4, **options).remote(
-                spec, self.hub, placements))
+                spec, self.hub, placements, more))
         self.places = [[place] for place in self.wait_all("where")]
         for mine, started in zip(self.places, self.wait_all("setup")):
             mine += started
 
-    def _reserve_gpus(self) -> dict[int, tuple[dict, list[dict] | None]]:
+    def _reserve_gpus(self) -> dict[int, tuple[dict, list[dict] | None, list[dict] | None]]:
         """Placement groups for the instances with `GPUs`: per instance, the options of its
-        controller's actor and, for a worker group, of each rank."""
+        controller's actor, of each rank (a worker group, even of one rank) and of its
+        further bundles (a process of several GPUs: an engine whose workers it starts)."""
         from mcore_rl.flow import gpu_placement
         from mcore_rl.flow.device_plan import plan_devices
 
@@ -220,10 +221,11 @@ class _Launch:
             mine = gpu_placement.slots_of(slots, spec.role, spec.index)
             if not mine:
                 continue
-            if spec.num_workers > 1:  # the ranks take the bundles; the controller none
-                out[i] = ({"num_cpus": 0}, [self.reservation.options(s) for s in mine])
-            else:  # the process in its first bundle; an engine's workers take all of them
-                out[i] = (self.reservation.options(mine[0], capture_child_tasks=True), None)
+            if gpu_placement.runs_ranks(spec):  # the ranks take the bundles; the controller none
+                out[i] = ({"num_cpus": 0}, [self.reservation.options(s) for s in mine], None)
+            else:  # the process in its first bundle, the GPUs of the others made visible to it
+                out[i] = (self.reservation.options(mine[0], capture_child_tasks=True), None,
+                          [self.reservation.options(s) for s in mine[1:]] or None)
         return out
 
     def wait_one(self, i: int, ref: Any, phase: str) -> Any:

@@ -11,7 +11,7 @@ controller hands each item to every rank and passes on rank 0's result."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import ClassVar, TYPE_CHECKING
 
 from mcore_rl.errors import UsageError
 
@@ -61,6 +61,8 @@ class MegatronSetup:
 class Megatron:
     """A Megatron layout as a controller strategy: ``tp * pp * dp`` ranks in one world."""
 
+    runs_ranks: ClassVar[bool] = True
+    """Its ranks are processes of their own, one rank included (`gpu_placement.runs_ranks`)."""
     tp: int = 1
     pp: int = 1
     dp: int = 1

@@ -19,6 +19,35 @@ CASES = {
 }
 
 
+class Report:
+    """What a launched process was given: Ray's GPU ids and what it (and any worker it
+    starts) sees in ``CUDA_VISIBLE_DEVICES``."""
+
+    def report(self) -> dict:
+        import os
+
+        from mcore_rl.flow import ray_shim
+
+        return {"node": ray_shim.node_id(),
+                "gpu_ids": [str(i) for i in ray_shim.require().get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+
+
+def launched() -> dict:
+    """A graph started as a launch starts it: an engine-like process of two GPUs and a
+    worker group of one rank, each asked what it was given."""
+    from mcore_rl.flow import GPUs, Controller, ControllerGroup, factory, start
+
+    graph = start(ControllerGroup([
+        Controller("engine", factory(Report), devices=GPUs(2)),
+        Controller("trainer", factory(Report), strategy="worker_group", num_workers=1,
+                   devices=GPUs())]))
+    try:
+        return {role: graph.call(role, "report") for role in ("engine", "trainer")}
+    finally:
+        graph.close()
+
+
 def main(out: str) -> None:
     from mcore_rl.cli.placement import probe_config
     from mcore_rl.flow.gpu_placement import simulated_cluster
@@ -33,6 +62,7 @@ def main(out: str) -> None:
                 results[name] = {"rows": probe_config(cfg)[0]}
             except UsageError as err:
                 results[name] = {"error": str(err)}
+        results["launched"] = launched()
     Path(out).write_text(json.dumps(results))
 
 

@@ -69,6 +69,18 @@ def test_one_separate_engine_and_a_cluster_too_small_for_three(cases):
     assert "but the cluster has 12 (2 node(s) x 6, 6)" in cases["too_small"]["error"]
 
 
+def test_a_launched_engine_sees_all_its_gpus_and_a_one_rank_group_binds_its_own(cases):
+    launched = cases["launched"]
+    engine, trainer = launched["engine"], launched["trainer"]
+    # the engine's process sits in its first bundle; its workers see both bundles' GPUs
+    visible = engine["cuda_visible_devices"].split(",")
+    assert len(visible) == 2 and len(set(visible)) == 2, engine
+    assert visible[0] == engine["gpu_ids"][0], engine
+    # the one rank took a bundle of its own: another GPU, not the engine's
+    assert len(trainer["gpu_ids"]) == 1 and trainer["cuda_visible_devices"] == trainer["gpu_ids"][0]
+    assert trainer["node"] != engine["node"] or trainer["gpu_ids"][0] not in visible, launched
+
+
 def test_the_cli_prints_the_map_and_writes_it_as_json(tmp_path):
     out = tmp_path / "map.json"
     proc = subprocess.run([MCORE_RL, "placement", "configs/quickstart.yaml", "parallel.tp=2",
