@@ -141,6 +141,7 @@ def run_on_launcher_ranks(args) -> int:
     """This process is one rank of a torchrun or srun world: the job's graph with every role
     fused into the ranks, without Ray; the process's exit status."""
     from mcore_rl.engines.liveness import EngineDiedError
+    from mcore_rl.flow.worker_group import LeaderFailed
     from mcore_rl.launch.preflight import describe as describe_peers
     from mcore_rl.launch.preflight import run_preflight
     from mcore_rl.launch.stop_signal import StopRequested, StopSignal, stop_exit_code
@@ -180,6 +181,9 @@ def run_on_launcher_ranks(args) -> int:
         return 2
     except EngineDiedError as err:
         print(f"mcore-rl train: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    except LeaderFailed as err:  # rank 0 reports the cause
+        print(f"mcore-rl train: error (rank {rank}): {err}", file=sys.stderr, flush=True)
         return 1
     except StopRequested as req:
         if rank == 0:

@@ -33,7 +33,7 @@ def run_in_world(group: ControllerGroup, num_epochs: int | None = 1) -> list[Con
     runtime.build(spec.function, setup_of() if callable(setup_of) else None,
                   dist.get_world_size(), spec.fused)
     try:
-        return runtime.run_loop(spec, None, num_epochs)
+        return runtime.run_loop(spec, None, num_epochs, tell_failure=True)
     finally:
         runtime.close()
         services.unpublish_all()

@@ -37,6 +37,12 @@ world_size)``; e.g. the Megatron strategy's model-parallel state. It may have an
 
 END = "<end of the loop>"
 """What rank 0 hands the other ranks when its item loop has ended."""
+FAILED = "<rank 0 failed>"
+"""What rank 0 hands the other ranks when its loop failed while they waited for an item."""
+
+
+class LeaderFailed(RuntimeError):
+    """On a rank other than 0: rank 0's loop failed (its error is its own to report)."""
 
 
 class RankRuntime:
@@ -75,21 +81,32 @@ class RankRuntime:
         with self.outside():
             return getattr(stage.function, method)(*args, **kwargs)
 
-    def run_loop(self, spec: Any, hub: Any, num_epochs: int | None):
-        """The controller's item loop on rank 0 (its stats), `follow` on the others."""
+    def run_loop(self, spec: Any, hub: Any, num_epochs: int | None, tell_failure: bool = False):
+        """The controller's item loop on rank 0 (its stats), `follow` on the others.
+        ``tell_failure``: when rank 0's loop fails while the others wait for an item (a fused
+        stage, the stream), they end too (`LeaderFailed`): in a world no launch kills (one
+        started by torchrun or srun); a launch kills the group itself."""
         if self.rank != 0:
             follow(self.function)
             return None
-        stats = ItemLoop(spec, hub, self._lead, stages=self.stages).run(num_epochs)
-        # Only after a loop that ended well: after a failure the others may wait in another
-        # collective, and the launch kills the group anyway.
+        self._in_call = False
+        try:
+            stats = ItemLoop(spec, hub, self._lead, stages=self.stages).run(num_epochs)
+        except BaseException:
+            # Not after a failure inside the function: the others are in its collectives.
+            if tell_failure and not self._in_call:
+                handoff(FAILED)
+            raise
         handoff(END)
         return stats
 
     def _lead(self, item: Any) -> Any:
         """Rank 0's call: the item to every rank, then the function here."""
         handoff(item)
-        return self.function(item)
+        self._in_call = True
+        result = self.function(item)
+        self._in_call = False
+        return result
 
     def close(self) -> None:
         for obj in [s.function for s in self.stages] + [self.function]:
@@ -189,6 +206,9 @@ def follow(function: Callable[[Any], Any]) -> None:
         item = handoff(None)
         if isinstance(item, str) and item == END:
             return
+        if isinstance(item, str) and item == FAILED:
+            raise LeaderFailed("rank 0 failed before handing over the next item; its error "
+                               "is the one to read")
         function(item)
 
 

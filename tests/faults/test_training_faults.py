@@ -194,3 +194,22 @@ def _verify_nan(rank, world_size):
 def test_engine_verification_treats_nan_as_a_mismatch():
     message = shared_world(1).run(_verify_nan)[0]
     assert message is not None and "differ by up to nan" in message, message
+
+
+def _train_any(rank, world_size, overrides):
+    """`_train`, any error as (its class name, message)."""
+    try:
+        return _train(rank, world_size, overrides)
+    except Exception as err:  # noqa: BLE001 - the test reads which rank raised what
+        return type(err).__name__, str(err)
+
+
+def test_a_reward_failing_on_rank_0_ends_every_rank_of_a_launchers_world(tmp_path):
+    """Under torchrun or srun the roles run fused into rank 0: when its reward fails while
+    the other ranks wait for the next batch, they end too, not at a collective's timeout."""
+    run = BASE + ["train.steps=2", "checkpoint.save_every=0", f"logging.dir={tmp_path}",
+                  f"reward.name={__name__}:broken_reward"]
+    first, second = shared_world(2).run(_train_any, run)
+    assert first[0] == "RewardError" and "broken_reward raised KeyError" in first[1], first
+    assert second == ("LeaderFailed", "rank 0 failed before handing over the next item; its "
+                                      "error is the one to read"), second
