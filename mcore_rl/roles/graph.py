@@ -82,7 +82,10 @@ def prompt_items(cfg_data: dict, start_step: int, position: int) -> Iterator[dic
     stream = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
     stream.position = position
     rounds = 1 + (cfg.algorithm.dynamic_sampling_max_rounds if cfg.algorithm.dynamic_sampling else 0)
-    for step in range(start_step + 1, start_step + (cfg.train.steps - start_step) * rounds + 1):
+    # Items number on from those the run took before (a step may take several), so a
+    # resumed run samples as the uninterrupted one would: one item per step's prompts taken.
+    done = position // cfg.data.prompts_per_step if cfg.algorithm.dynamic_sampling else start_step
+    for step in range(done + 1, done + (cfg.train.steps - start_step) * rounds + 1):
         records = stream.take(cfg.data.prompts_per_step)
         yield {"step": step, "prompts": [{"prompt": r.prompt, **r.meta} for r in records]}
 
@@ -142,10 +145,12 @@ def scores_in_trainer(cfg: RLConfig, by_groups: bool) -> bool:
 
 
 def rl_graph(cfg: RLConfig, model_dir: Path, stop: Any = None, gpus: bool = False,
-             driven: bool = False) -> JobGraph:
+             driven: bool = False, plan_only: bool = False) -> JobGraph:
     """The RL job's graph (module doc). ``stop``: what the trainer asks at every step
     boundary (``should_stop(ctx)``); ``gpus``: place on the cluster's GPUs; ``driven``: for
-    `RLTrainer` (no reward controller, no data: the driver samples, scores and updates)."""
+    `RLTrainer` (no reward controller, no data: the driver samples, scores and updates);
+    ``plan_only``: a graph to place, never run (no checkpoint is read: its paths may exist
+    only on the cluster)."""
     from mcore_rl.flow import GPUs, Controller, ControllerGroup, DataStream, factory
     from mcore_rl.roles.continuous import ContinuousGenerate
     from mcore_rl.roles.generate import Generate
@@ -159,7 +164,7 @@ def rl_graph(cfg: RLConfig, model_dir: Path, stop: Any = None, gpus: bool = Fals
     by_groups = streams_groups(cfg) and not driven
     groups = cfg.data.prompts_per_step if by_groups else 1
     rollout, scored = DataStream("rollout", groups), DataStream("scored", groups)
-    step, position = (0, 0) if driven else resume_point(cfg)
+    step, position = (0, 0) if driven or plan_only else resume_point(cfg)
     own = None if by_groups or driven else factory(prompt_items, data, step, position)
     engines = [f"engine/{i}" for i in range(r.replicas)]
     role = ContinuousGenerate if by_groups else Generate
@@ -211,7 +216,8 @@ def job_graph(cfg: RLConfig, stop: Any = None, gpus: bool = False, driven: bool 
     if cfg.train.job != "rl":
         return cfg, trainer_graph(cfg, stop, gpus, driven)
     if dry_run:
-        return cfg, rl_graph(cfg, Path(cfg.model.path or "<random initial model>"), stop, gpus)
+        return cfg, rl_graph(cfg, Path(cfg.model.path or "<random initial model>"), stop, gpus,
+                             plan_only=True)
     model_dir = model_dir_for(cfg)
     cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
     return cfg, rl_graph(cfg, model_dir, stop, gpus, driven)

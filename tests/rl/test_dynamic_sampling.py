@@ -152,3 +152,50 @@ def test_the_graph_fills_its_steps_and_stops_its_feed_at_the_last_one(tmp_path):
     # the feed held 3 * 4 rounds; the launch stopped after the last step (one round in flight)
     assert stats.roles["rollout"].calls <= rounds + 1 < 12
     assert all(h["rollout/dynamic_short_groups"] == 0 for h in steps), steps
+
+
+class StopAfter:
+    """A stop request at the end of step ``n`` (the trainer asks once per step)."""
+
+    def __init__(self, n: int):
+        self.n, self.asked = n, 0
+
+    def should_stop(self, ctx) -> bool:
+        self.asked += 1
+        return self.asked >= self.n
+
+    def acknowledge(self, ctx, step) -> None:
+        pass
+
+
+def _scores_per_step(rank, world_size, overrides, stop_after=None):
+    """The fused run's step metrics that depend on what was sampled, by step; with
+    ``stop_after``: stopped (and checkpointed) at the end of that step."""
+    from mcore_rl.config import load_config, validate_config
+    from mcore_rl.errors import StopRequested
+    from mcore_rl.parallel import destroy_parallel
+    from mcore_rl.roles.graph import run_in_this_world
+
+    cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", overrides), world_size)
+    try:
+        run_in_this_world(cfg, StopAfter(stop_after) if stop_after else None)
+    except StopRequested:
+        pass
+    finally:
+        destroy_parallel()
+    history = [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl").read_text().splitlines()]
+    keys = ("reward/mean", "rollout/dynamic_rounds", "rollout/dynamic_filtered_frac")
+    return {h["step"]: tuple(h[k] for k in keys) for h in history if "rollout/dynamic_rounds" in h}
+
+
+def test_a_resumed_run_samples_what_the_uninterrupted_run_sampled(tmp_path):
+    """A step may take several rounds of prompts; the rounds after a resume are numbered
+    (and seeded) on from all the rounds taken before, not from the step count."""
+    run = BASE + DYNAMIC + ["checkpoint.save_every=0", "checkpoint.resume=auto"]
+    world = shared_world(1)
+    whole = world.run(_scores_per_step, run + [f"logging.dir={tmp_path}/whole"])[0]
+    split = tmp_path / "split"
+    first = world.run(_scores_per_step, run + [f"logging.dir={split}"], 1)[0]
+    assert list(first) == [1] and first[1][1] >= 2  # the first step took more than one round
+    resumed = world.run(_scores_per_step, run + [f"logging.dir={split}"])[0]
+    assert resumed == whole, (resumed, whole)

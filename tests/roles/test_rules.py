@@ -2,11 +2,15 @@
 cannot run, in one line naming the setting and the fix, before anything starts."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mcore_rl.config import load_config
 from mcore_rl.errors import UsageError
 from mcore_rl.roles.rules import check_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def check(overrides, driver="train"):
@@ -55,3 +59,17 @@ def test_the_python_api_runs_rl_and_the_offline_jobs_without_a_reward_model_cont
         check(["train.job=smoke"], driver="api")
     with pytest.raises(UsageError, match="RLTrainer does not start the worker group"):
         check(["reward.name=reward_model"], driver="api")
+
+
+def test_a_graph_only_placed_reads_no_checkpoint(tmp_path):
+    """`mcore-rl placement` and `launch slurm --skip-path-checks` build the graph to place
+    it: a checkpoint that exists only on the cluster is not read."""
+    from mcore_rl.roles.graph import job_graph
+
+    cfg = load_config(REPO / "configs" / "quickstart.yaml",
+                      [f"checkpoint.resume={tmp_path}/on_the_cluster/step_10",
+                       f"logging.dir={tmp_path}"])
+    _, job = job_graph(cfg, dry_run=True)
+    assert [c.role for c in job.group.controllers] == ["rollout", "reward", "trainer"]
+    with pytest.raises(UsageError, match="on_the_cluster"):  # a run reads it
+        job_graph(cfg)
