@@ -87,6 +87,9 @@ class RLTrainer:
                 self._graph = start(job.group)
                 self._step = self._graph.call("trainer", "info")["step"]
         except BaseException:
+            if getattr(self, "_graph", None) is not None:  # started, then failed: end it
+                self._graph.kill()
+                self._graph = None
             self._shutdown_ray()
             raise
 
@@ -129,8 +132,9 @@ class RLTrainer:
         self._check_fresh(rollouts)
         t = time.perf_counter()
         metrics = self._call("trainer", "__call__", rollouts.batch.with_tensors(scores=scores))
-        metrics["time/driver_update"] = time.perf_counter() - t
-        self._step += 1
+        if metrics:  # none: pooled for dynamic sampling, no step taken
+            self._step += 1
+            metrics["time/driver_update"] = time.perf_counter() - t
         return metrics
 
     def _check_fresh(self, rollouts: Rollouts) -> None:
