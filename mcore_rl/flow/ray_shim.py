@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import os
 import signal
 from typing import Any, Callable
 
@@ -29,13 +30,43 @@ DRIVER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """Signals whose handlers ``ray.init`` replaces in the driver, and never puts back."""
 
 
+REACH_TIMEOUT_S = 5.0
+"""How long joining a Ray cluster may wait for its head's port to answer."""
+
+
+def _check_reachable(address: str | None) -> None:
+    """A `UsageError` when ``address`` (host:port of a Ray head) does not answer: Ray itself
+    would retry a dead address for minutes."""
+    import socket
+
+    if not address or address in ("auto", "local") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=REACH_TIMEOUT_S).close()
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot join the Ray cluster at {address} (RAY_ADDRESS or the address "
+                         f"given): {err}; start its head there, or unset RAY_ADDRESS to run on a "
+                         "Ray of this machine") from None
+
+
 def start_local(**init_kwargs) -> Callable[[], None]:
     """``ray.init(**init_kwargs)``; returns the function that shuts it down again and puts
     back the driver's signal handlers as they were before (the trainer's own stop
     handling, a caller's handlers)."""
     ray = require()
+    _check_reachable(init_kwargs.get("address") or os.environ.get("RAY_ADDRESS"))
     saved = {sig: signal.getsignal(sig) for sig in DRIVER_SIGNALS}
-    ray.init(**init_kwargs)
+    try:
+        ray.init(**init_kwargs)
+    except Exception as err:  # noqa: BLE001 - Ray raises several kinds; one line for each
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        address = init_kwargs.get("address") or os.environ.get("RAY_ADDRESS")
+        if address:
+            raise UsageError(f"cannot join the Ray cluster at {address} (RAY_ADDRESS or the "
+                             f"address given): {why}; start it there, or unset RAY_ADDRESS to "
+                             "run on a Ray of this machine") from None
+        raise UsageError(f"Ray did not start on this machine: {why}") from None
 
     def stop() -> None:
         ray.shutdown()

@@ -289,3 +289,19 @@ def test_torchrun_ranks_run_the_jobs_graph_in_their_own_world_without_ray(tmp_pa
     assert "in the launcher's world of 2 rank(s), without Ray" in proc.stdout
     summary = json.loads((tmp_path / "smoke_summary.json").read_text())
     assert summary["steps"] == 3 and summary["layout"].startswith("TP2")
+
+
+def test_a_ray_address_nobody_answers_is_refused_in_one_line_at_once(monkeypatch, capsys, tmp_path):
+    """Ray itself would retry a dead RAY_ADDRESS for minutes."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    started = time.monotonic()
+    assert main(["train", QUICK, f"logging.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot join the Ray cluster at 127.0.0.1:{port} (RAY_ADDRESS" in err[0]
+    assert "unset RAY_ADDRESS" in err[0] and time.monotonic() - started < 30
