@@ -4,7 +4,8 @@ In one run, both frameworks train DPO from the same weights on the same pairs, e
 a fresh process:
 
 - **ours**: the ``train.job: dpo`` run of ``mcore-rl train`` (``benchmarks/_dpo_driver.py``:
-  its ranks, `run_finetune`, the Megatron train engine and the frozen reference), once per
+  its ranks running the job's graph fused in their world, the Megatron train engine and
+  the frozen reference), once per
   ``finetune.reference_logps`` (``on_the_fly``: the reference's forward is part of every
   step; ``cached``: one pass over the dataset before the first step);
 - **baseline**: TRL ``DPOTrainer`` (``benchmarks/_trl_dpo.py``), once per variant of its

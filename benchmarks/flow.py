@@ -6,8 +6,8 @@ the job's graph as ``mcore-rl train`` launches it:
 
 - **fused** (the baseline): ``rollout.placement: fused``, rollout and reward in line in the
   trainer's first rank, the engine in its process: no Ray round trip per step;
-- **cli**: the config's placement (colocated by default): rollout, reward and trainer
-  controllers of their own, the synchronous schedule;
+- **cli**: the config's placement (colocated by default): the rollout a controller of its
+  own, the synchronous schedule (whose reward scores in the trainer's first rank);
 - **api**: the same steps driven from a script through `RLTrainer` (each step a ``sample``
   call, the reward on the driver, an ``update`` call), timed on the driver;
 - **graph**: ``train.schedule: one_step_off`` (the rollout of step k+1 generated while step

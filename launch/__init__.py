@@ -1,7 +1,7 @@
 """Launching on clusters, installed as ``mcore_rl.launch``.
 
-- `sbatch`: the sbatch templates (``templates/sbatch.sh``; ``templates/sbatch_ray.sh`` for
-  driver scripts on Ray), their renderer and submitter;
+- `sbatch`: the sbatch template (``templates/sbatch_ray.sh``: Ray on every node, then the
+  driver, ``mcore-rl train`` or a script), its renderer and submitter;
 - `ray_node`: one node's Ray of a job (own temp dir and ports), started and stopped;
 - `stop_signal`: how all ranks agree to stop, checkpoint and requeue on preemption;
 - `preflight`: the start-up collective that names a broken node and rank;

@@ -1,6 +1,6 @@
 """Stop every rank at the same step boundary, checkpoint, and hand the job back for requeue.
 
-The protocol, end to end (the SLURM side lives in ``templates/sbatch.sh``):
+The protocol, end to end (the SLURM side lives in ``templates/sbatch_ray.sh``):
 
 1. SLURM sends SIGUSR1 to the batch shell ``launch.signal_lead_s`` seconds before the time
    limit (``--signal=B:USR1@N``); an operator does the same with
@@ -21,7 +21,7 @@ The protocol, end to end (the SLURM side lives in ``templates/sbatch.sh``):
    elsewhere (``mcore-rl train`` alone, plain ``srun``) they exit with `STOP_EXIT_CODE`.
    The requeued job starts again and resumes from the checkpoint (``checkpoint.resume=auto``).
 
-A driver script on Ray (``mcore-rl launch slurm --ray``) plays all of these parts itself: it
+A driver script on Ray (``mcore-rl launch slurm SCRIPT.py``) plays all of these parts itself: it
 is the one process that receives the signal and sees the stop file, so it checks
 `StopSignal.requested_here` between its steps, saves (``RLTrainer.save``), calls
 `StopSignal.write_ack` and exits with `stop_exit_code()` (``examples/slurm_grpo.py``).

@@ -1,5 +1,5 @@
 #!/bin/bash
-# mcore-rl driver job on Ray, rendered by `mcore-rl launch slurm --ray` from
+# mcore-rl driver job on Ray, rendered by `mcore-rl launch slurm` from
 # launch/templates/sbatch_ray.sh. Placeholders are written @@{name}; the rest is plain bash.
 @{directives}
 #

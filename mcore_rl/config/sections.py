@@ -323,7 +323,7 @@ class RewardConfig:
     """Registered reward (exact, alias builtin; math; reasoning_gym; code: sandboxed tests
     of a Python program, `mcore_rl.rewards.code_execution`) or module:function;
     reward_model: a trained reward model's score, computed by a worker group of its own
-    (``mcore-rl train`` without a launcher, or ``mcore-rl launch slurm CONFIG --ray``)."""
+    (the graph on Ray: ``mcore-rl train``, ``mcore-rl launch slurm CONFIG``)."""
     reward_model_path: str = ""
     """The reward model (name=reward_model): an HF ``*ForSequenceClassification`` directory
     (converted on load), an mcore-rl checkpoint with a score head, or a ``train.job: rm``

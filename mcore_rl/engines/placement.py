@@ -1,7 +1,8 @@
 """Where the engine runs beside the trainer, and which CPU cores each side gets.
 
-Decision: **the engine always runs in processes of its own**, started from the controlling
-trainer rank (global rank 0), which keeps the handle: on CPU at engine TP1 one host process
+Decision: **the engine always runs in processes of its own**, started by the role that owns
+it (the rollout controller's process; with ``fused``, the trainer's rank 0), which keeps the
+handle: on CPU at engine TP1 one host process
 (`mcore_rl.engines.vllm_host`) that runs vLLM's engine core and worker in itself; otherwise
 vLLM's engine-core process plus one worker process per engine TP rank. Weights reach
 those processes through one shared-memory file (`mcore_rl.wire`: the trainer's parameters
@@ -45,8 +46,8 @@ Every placement uses that process layout; they differ in how cores are shared:
   between rollouts. vLLM's CPU backend has no sleep mode, so on CPU sleeping only fences
   ``generate``.
 - ``separate``: engine and trainer get disjoint cores (the engine the first ones, at least
-  one per engine TP rank; on 2 cores at TP1: engine ``"0"``, trainer core 1, which each
-  trainer rank applies with `pin_trainer_process`), so generation for step k+1 could
+  one per engine TP rank; on 2 cores at TP1: engine ``"0"``, trainer core 1;
+  `pin_trainer_process` restricts a trainer rank to its side), so generation for step k+1 could
   overlap training of step k. With fewer cores than engine TP ranks + 1 the split is
   impossible: both sides share all cores, with a warning.
 """

@@ -9,8 +9,8 @@ lacked (the warning metric). Groups beyond a step's need are kept for the next s
 when the staleness bound allows one version of lag (``keep_surplus``); otherwise they are
 discarded and counted, since the update makes them one version old.
 
-Pure bookkeeping on `Batch` (``group_id``, ``scores``): the rank loop and the trainer of
-the RL graph feed it the same way, a scored round at a time.
+Pure bookkeeping on `Batch` (``group_id``, ``scores``): the RL graph's trainer
+(`mcore_rl.trainer.train_step`) feeds it a scored round at a time, whatever the placement.
 """
 from __future__ import annotations
 
