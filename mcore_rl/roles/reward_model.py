@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 from mcore_rl.config import RLConfig, config_from_dict
 from mcore_rl.data.batch import Batch
@@ -68,6 +68,8 @@ class ServedMegatron:
     """A `Megatron` worker group whose model other controllers can use too: the group's
     `RewardModelService` is published as ``name``."""
 
+    runs_ranks: ClassVar[bool] = True
+    """Its ranks are processes of their own, one rank included (`gpu_placement.runs_ranks`)."""
     layout: Megatron
     name: str = SERVICE
 

@@ -64,3 +64,19 @@ def test_the_reward_controller_scores_rollouts_with_a_trained_reward_model(tmp_p
                          [s["response"] for s in samples])[0]
     assert [s["reward"] for s in samples] == pytest.approx(expected, abs=1e-4)
     assert len({round(s["reward"], 4) for s in samples}) > 2  # scores, not a 0/1 check
+
+
+def test_a_one_rank_reward_model_on_gpus_puts_its_rank_in_the_bundle():
+    """A reward model served at 1x1x1 is still a worker group: on GPUs its one rank takes the
+    bundle (its controller's process would hand the group no placement)."""
+    from types import SimpleNamespace
+
+    from mcore_rl.flow import GPUs, Megatron
+    from mcore_rl.flow.gpu_placement import demands_of, runs_ranks
+    from mcore_rl.roles.reward_model import ServedMegatron
+
+    spec = SimpleNamespace(role="reward", index=0, num_workers=1, devices=GPUs(),
+                           strategy=ServedMegatron(Megatron()))
+    assert runs_ranks(spec)
+    [demand] = demands_of([spec])
+    assert (demand.tp, demand.pp, demand.dp) == (1, 1, 1)
