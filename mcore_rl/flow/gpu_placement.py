@@ -142,17 +142,26 @@ def see_bundles(options: list[dict], timeout_s: float = 60.0) -> list[str]:
     an engine at TP N placed over N one-GPU bundles sits in the first, and its N workers
     (processes it starts, not Ray's) see the N GPUs this way; a light probe in each other
     bundle reads the GPU Ray gives there. Call it before CUDA starts in this process."""
-    ray = ray_shim.require()
-    cls = ray_shim.actor_class(DeviceProbe)
-    probes = [cls.options(**opts).remote() for opts in options]
-    try:
-        reports = ray.get([p.report.remote() for p in probes], timeout=timeout_s)
-    finally:
-        for p in probes:
-            ray.kill(p, no_restart=True)
-    ids = [str(i) for i in ray.get_gpu_ids()] + [r["gpu_ids"][0] for r in reports if r["gpu_ids"]]
+    reports = _probe_reports(options, timeout_s)
+    ids = [str(i) for i in ray_shim.require().get_gpu_ids()] + \
+        [r["gpu_ids"][0] for r in reports if r["gpu_ids"]]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(ids))
     return ids
+
+
+def _probe_reports(options: list[dict], timeout_s: float) -> list[dict]:
+    """What a `DeviceProbe` started with each of ``options`` was given, the probes ended."""
+    ray = ray_shim.require()
+    cls = ray_shim.actor_class(DeviceProbe)
+    actors = [cls.options(**opts).remote() for opts in options]
+    try:
+        return ray.get([a.report.remote() for a in actors], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise UsageError(f"probes in the GPU bundles did not start within {timeout_s:.0f} s (the "
+                         "cluster is busy or its nodes cannot start workers); try again") from None
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
 
 
 class DeviceProbe:
@@ -168,17 +177,7 @@ class DeviceProbe:
 def probe(slots: list[Slot], reservation: Reservation, timeout_s: float = 60.0) -> list[dict]:
     """Start a `DeviceProbe` in every slot (as a rank is started there) and return what each
     was given, with the slot's plan: role, replica, rank, node, gpu (Ray's id), tp, pp, dp."""
-    ray = ray_shim.require()
-    cls = ray_shim.actor_class(DeviceProbe)
-    actors = [cls.options(**reservation.options(s)).remote() for s in slots]
-    try:
-        reports = ray.get([a.report.remote() for a in actors], timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise UsageError(f"the placement's probes did not start within {timeout_s:.0f} s (the "
-                         "cluster is busy or its nodes cannot start workers); try again") from None
-    finally:
-        for a in actors:
-            ray.kill(a, no_restart=True)
+    reports = _probe_reports([reservation.options(s) for s in slots], timeout_s)
     out = []
     for slot, report in zip(slots, reports):
         row = slot.as_dict()
