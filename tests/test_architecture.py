@@ -111,20 +111,25 @@ def test_the_folders_outside_the_package_import_only_what_they_may():
     assert folder_violations(REPO) == []
 
 
-def test_a_model_importing_the_rl_loop_breaks_the_layers_contract(tree_copy):
-    _append(tree_copy / "mcore_rl" / "models" / "gpt.py", "import mcore_rl.rl.phases  # forbidden")
-    result = lint_imports(tree_copy)
+def broken_by(tree, path: str, line: str, contract: str) -> str:
+    """import-linter's report after ``line`` is appended to ``path`` of ``tree``: it must
+    fail, naming ``contract`` as broken."""
+    _append(tree / path, line)
+    result = lint_imports(tree)
     assert result.returncode != 0
-    assert "Packages depend downwards only BROKEN" in result.stdout, result.stdout[-3000:]
-    assert "mcore_rl.models.gpt -> mcore_rl.rl.phases" in result.stdout, result.stdout[-3000:]
+    assert f"{contract} BROKEN" in result.stdout, result.stdout[-3000:]
+    return result.stdout
+
+
+def test_a_model_importing_the_rl_loop_breaks_the_layers_contract(tree_copy):
+    out = broken_by(tree_copy, "mcore_rl/models/gpt.py", "import mcore_rl.rl.phases  # forbidden",
+                    "Packages depend downwards only")
+    assert "mcore_rl.models.gpt -> mcore_rl.rl.phases" in out, out[-3000:]
 
 
 def test_rl_math_importing_megatron_breaks_its_contract(tree_copy):
-    _append(tree_copy / "mcore_rl" / "algos" / "kl.py", "import megatron.core  # forbidden")
-    result = lint_imports(tree_copy)
-    assert result.returncode != 0
-    assert "RL math is pure torch (no Megatron, no engines, no HF) BROKEN" in result.stdout, \
-        result.stdout[-3000:]
+    broken_by(tree_copy, "mcore_rl/algos/kl.py", "import megatron.core  # forbidden",
+              "RL math is pure torch (no Megatron, no engines, no HF)")
 
 
 def test_forbidden_edges_of_the_outside_folders_are_found(tree_copy):
@@ -140,15 +145,13 @@ def test_forbidden_edges_of_the_outside_folders_are_found(tree_copy):
 
 
 def test_an_import_cycle_between_modules_of_a_package_breaks_the_acyclic_contract(tree_copy):
-    _append(tree_copy / "mcore_rl" / "flow" / "streams.py", "import mcore_rl.flow.hub  # a cycle")
-    result = lint_imports(tree_copy)
-    assert result.returncode != 0
-    assert "No import cycles between the modules of a package BROKEN" in result.stdout, \
-        result.stdout[-3000:]
+    broken_by(tree_copy, "mcore_rl/flow/streams.py", "import mcore_rl.flow.hub  # a cycle",
+              "No import cycles between the modules of a package")
 
 
 def test_the_config_reading_a_model_breaks_its_contract(tree_copy):
     _append(tree_copy / "mcore_rl" / "config" / "validate.py", "import mcore_rl.models.shape")
     result = lint_imports(tree_copy)
+    # the contract's long name is wrapped in the report: its words and BROKEN apart
     assert "The config reads no model" in result.stdout and "BROKEN" in result.stdout, \
         result.stdout[-3000:]
