@@ -67,6 +67,15 @@ class Stage:
             close()
 
 
+def close_all(stages: list[Stage], function: Any) -> None:
+    """Close the fused stages' functions, then the host's own (each that has ``close``)."""
+    for stage in stages:
+        stage.close()
+    close = getattr(function, "close", None)
+    if callable(close):
+        close()
+
+
 class ItemLoop:
     """Items in, function calls, results out, for one instance (see the module doc).
 

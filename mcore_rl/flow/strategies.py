@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from mcore_rl.errors import UsageError
 from mcore_rl.flow.graph import build_function
-from mcore_rl.flow.item_loop import ItemLoop, Stage
+from mcore_rl.flow.item_loop import ItemLoop, Stage, close_all
 from mcore_rl.flow.placement import pin_to_cores
 from mcore_rl.flow.plan import InstanceSpec
 from mcore_rl.registry import Registry
@@ -66,10 +66,7 @@ class InProcess:
         return getattr(target, method)(*args, **kwargs)
 
     def close(self) -> None:
-        for obj in [s.function for s in self.stages] + [self.function]:
-            close = getattr(obj, "close", None)
-            if callable(close):
-                close()
+        close_all(self.stages, self.function)
 
 
 @STRATEGIES.register("process")

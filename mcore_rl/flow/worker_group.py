@@ -23,7 +23,7 @@ from typing import Any, Callable
 from mcore_rl.flow import ray_shim, round_trips, services
 from mcore_rl.flow.cluster import rank_nodes
 from mcore_rl.flow.graph import build_function
-from mcore_rl.flow.item_loop import ItemLoop, Stage
+from mcore_rl.flow.item_loop import ItemLoop, Stage, close_all
 from mcore_rl.flow.placement import pin_to_cores, split_devices
 from mcore_rl.flow.processes import kill_process_group, lead_process_group
 
@@ -109,10 +109,7 @@ class RankRuntime:
         return result
 
     def close(self) -> None:
-        for obj in [s.function for s in self.stages] + [self.function]:
-            close = getattr(obj, "close", None)
-            if callable(close):
-                close()
+        close_all(self.stages, self.function)
 
 
 class RankProcess:
