@@ -135,9 +135,12 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_result(
         cluster, tmp_path, uninterrupted):
     job_id = submit(cluster, tmp_path)
     log_path = tmp_path / f"slurm-{job_id}.log"
-    # Send the signal once the job trains (the batch shell's trap is set by then).
-    wait_for(cluster, job_id, lambda i: log_path.exists() and "step   1/" in log_path.read_text(),
-             "first step")
+    # Send the signal once the batch shell has started the driver (its trap is set, and it
+    # waits on the driver, so the trap runs at once): the stop file then exists before the
+    # first step ends, whatever the speed of the machine, and the driver stops after step 1.
+    # Waiting for a step's log line instead races the 8 short steps to the end of the run.
+    wait_for(cluster, job_id, lambda i: log_path.exists() and "driver: " in log_path.read_text(),
+             "driver start")
     cluster.run(["scancel", "--batch", "--signal=USR1", job_id])  # what --signal=B:USR1@T sends
     wait_for(cluster, job_id, lambda i: i["Restarts"] == "1", "requeue")
     _, requeue_delay = wait_for(cluster, job_id,
