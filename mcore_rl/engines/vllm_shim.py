@@ -24,6 +24,38 @@ def require():
     return vllm
 
 
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN = "mcore_rl_weight_transfer"
+"""The entry point (``setup.py``) that registers `BACKEND` in each vLLM process."""
+PLUGIN_TARGET = "mcore_rl.engines.vllm_transfer:register"
+BACKEND = "mcore_rl_mapped"
+"""mcore-rl's weight-transfer backend (`mcore_rl.engines.vllm_transfer.MappedFileEngine`)."""
+
+
+def weight_transfer_backend() -> str:
+    """The name of mcore-rl's weight-transfer backend, once it is sure that vLLM's worker
+    processes will load it (the ``vllm.general_plugins`` entry point of ``setup.py``); a
+    one-line `UsageError` otherwise, before an engine starts (vLLM itself would only log the
+    failed plugin and then fail inside its worker)."""
+    import os
+    from importlib.metadata import entry_points
+
+    target = PLUGIN_TARGET
+    found = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN]
+    if not found or found[0].value != target:
+        raise UsageError(f"vLLM's plugin {PLUGIN!r} ({PLUGIN_GROUP} entry point -> {target}) is "
+                         "not installed, so vLLM's workers cannot receive mcore-rl's weight "
+                         "syncs: reinstall mcore-rl (pip install -e . , or bash "
+                         "scripts/install.sh)")
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN not in [p.strip() for p in allowed.split(",")]:
+        raise UsageError(f"VLLM_PLUGINS={allowed!r} leaves out vLLM's plugin {PLUGIN!r}, "
+                         "so vLLM's workers cannot receive mcore-rl's weight syncs: add it "
+                         f"(VLLM_PLUGINS={allowed + ',' if allowed else ''}{PLUGIN}) or unset "
+                         "VLLM_PLUGINS")
+    return BACKEND
+
+
 def sampling_params(**kwargs):
     return require().SamplingParams(**kwargs)
 

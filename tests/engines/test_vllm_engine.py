@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from mcore_rl.engines import SamplingConfig, WeightSyncError
+from mcore_rl.engines.base import Request
 from mcore_rl.engines.param_plan import engine_params
 from mcore_rl.models.hf_config import load_hf_spec
 from tests.models.tiny_hf import load_hf, save_tiny_hf_model
@@ -123,6 +124,72 @@ def test_update_weights_in_buckets_then_greedy_equals_hf_of_those_weights(engine
     after = engine.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6))
     assert [s.token_ids for s in after] == hf_greedy(dirs[1])
     assert {s.weight_version for s in after} == {5}
+
+
+def test_the_version_in_samples_is_the_one_vllm_recorded_when_the_sync_finished(
+        engine, dirs, original_weights):
+    """A sync ends with vLLM's ``finish_weight_update`` and the version recorded by vLLM,
+    which reports it per span of tokens; samples carry vLLM's record, not the engine
+    object's own (set apart here to tell the two sources apart)."""
+    tensors = load_file(f"{dirs[1]}/model.safetensors")
+    engine.update_weights(tensors.items(), version=11, bucket_mb=0.05)
+    assert engine.recorded_version() == "11"
+    engine.weight_version = 99
+    try:
+        sampling = SamplingConfig(temperature=0, max_new_tokens=4)
+        assert {s.weight_version for s in engine.generate(PROMPTS, sampling)} == {11}
+        done, _ = _run(engine, [Request("versioned", PROMPTS[0], sampling, None)])
+        assert {s.weight_version for s in done["versioned"]} == {11}
+        assert all(s.token_versions is None for s in done["versioned"])
+    finally:
+        engine.weight_version = 11
+    # a failed sync records nothing: vLLM still labels tokens with the last good version
+    del tensors["model.norm.weight"]
+    with pytest.raises(WeightSyncError):
+        engine.update_weights(tensors.items(), version=12, bucket_mb=0.05)
+    assert engine.recorded_version() == "11"
+
+
+def test_weights_reach_the_workers_through_vllms_weight_transfer_backend_of_ours(
+        engine, dirs, original_weights):
+    # the report is read from the worker's weight-transfer engine, refused if not ours
+    tensors = load_file(f"{dirs[1]}/model.safetensors")
+    engine.update_weights(tensors.items(), version=3, bucket_mb=0.05)
+    (report,) = engine._call_workers("mcore_rl_transfer_report")
+    assert report["mode"] == "direct" and report["error"] is None and report["seconds"] > 0
+
+
+def test_registering_the_backend_twice_is_harmless():
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from mcore_rl.engines import vllm_transfer
+    from mcore_rl.engines.vllm_shim import BACKEND
+
+    vllm_transfer.register()
+    vllm_transfer.register()  # e.g. the plugin loaded again in the same process
+    assert WeightTransferEngineFactory._registry[BACKEND]() is vllm_transfer.MappedFileEngine
+
+
+@pytest.mark.parametrize("case", ["not installed", "left out of VLLM_PLUGINS"])
+def test_a_missing_plugin_is_one_line_before_any_engine_starts(dirs, monkeypatch, case):
+    import importlib.metadata
+
+    from mcore_rl.engines import vllm_engine
+    from mcore_rl.errors import UsageError
+
+    if case == "not installed":
+        monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+        expected = "is not installed, so vLLM's workers cannot receive mcore-rl's weight syncs"
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+        expected = "VLLM_PLUGINS='lora_filesystem_resolver' leaves out vLLM's plugin"
+    started = []
+    monkeypatch.setattr(vllm_engine, "LocalLLM", lambda *a: started.append(a))
+    monkeypatch.setattr(vllm_engine, "HostedLLM", lambda *a: started.append(a))
+    with pytest.raises(UsageError) as err:
+        vllm_engine.VLLMEngine(dirs[0], tp=1, max_model_len=128)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    assert not started
 
 
 def test_a_direct_update_leaves_the_same_logits_as_vllms_own_reload(engine, dirs, original_weights):
