@@ -356,6 +356,82 @@ def measure_placement(hf_dir: str, bucket_mb: float) -> dict:
     return results
 
 
+# ----- delta sync: only the changed words relayed, against every word ----------------------
+def _delta(rank, world_size, hf_dir: str, bucket_mb: float, steps: int, lr: float) -> dict:
+    """Trainer PP2 whose rank 1 stands for another node (it relays its stage), bf16 on the
+    wire, vLLM TP1 on rank 0. Per real optimizer step (Adam at ``lr``, a next-token loss on
+    random tokens): one sync relaying deltas, then one relaying every word of the same
+    weights (``full_every=2``). Per sync: bytes relayed, transfer and whole sync seconds."""
+    from mcore_rl.config import OptimizerConfig
+    from mcore_rl.data.batch import Batch
+    from mcore_rl.engines.vllm_engine import VLLMEngine
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.stream import WeightSync
+    from mcore_rl.train.build import build_engine
+
+    ctx = initialize_parallel(pp=2)
+    built = build_model(hf_dir, ctx)
+    arch = built.spec.arch
+    train = build_engine(built.chunks, ctx, vocab_size=arch.vocab_size,
+                         optim=OptimizerConfig(lr=lr))
+    g = torch.Generator().manual_seed(0)
+    batch = Batch.from_sequences(torch.randint(3, arch.vocab_size, (4, 64), generator=g).tolist(),
+                                 prompt_lens=[16] * 4)
+
+    def loss(outputs, mb):
+        mask = mb["response_mask"].float()
+        return -(outputs["logprobs"] * mask).sum(), mask.sum(), {}
+
+    engine = VLLMEngine(hf_dir, tp=1, max_model_len=256) if rank == 0 else None
+    rows = {"delta": [], "full": []}
+    try:
+        with WeightSync.build(train.model, arch, engines=[engine] if engine else None,
+                              bucket_mb=bucket_mb, wire_dtype=torch.bfloat16, local_ranks={0},
+                              transport="buckets", delta=True, full_every=2) as sync:
+            sync.sync(version=1)  # the baseline (full)
+            for step in range(steps):
+                train.train_batch(batch, loss)
+                for kind in ("delta", "full"):
+                    s = sync.sync(version=2 + 2 * step + (kind == "full"))
+                    rows[kind].append({"relayed_bytes": s.relayed_nbytes,
+                                       "relayed_full_bytes": s.relayed_full_nbytes,
+                                       "changed_fraction": s.changed_fraction,
+                                       "transfer_s": s.transfer_s, "total_s": s.total_s})
+    finally:
+        if engine is not None:
+            engine.close()
+        destroy_parallel()
+    return rows
+
+
+def measure_delta(hf_dir: str, bucket_mb: float, steps: int, lr: float) -> dict:
+    from mcore_rl.parallel.local_world import SharedWorld
+
+    with SharedWorld(2, threads_per_rank=1, timeout_s=1800) as world:
+        return world.run(_delta, hf_dir, bucket_mb, steps, lr)[0]
+
+
+def _delta_comparisons(rows: dict, lr: float) -> dict:
+    def median(kind, key):
+        return statistics.median(r[key] for r in rows[kind])
+
+    changed = median("delta", "changed_fraction")
+    nbytes = memory_comparison(median("delta", "relayed_bytes"), median("full", "relayed_bytes"),
+                               "bytes")
+    nbytes.update(measured="bytes the relaying rank sent per sync (positions and words of the "
+                           "changed bf16 words, against every word)", changed_fraction=changed,
+                  lr=lr, target_ratio=0.25)
+    transfer = time_comparison(median("delta", "transfer_s"), median("full", "transfer_s"))
+    transfer.update(measured="writers copying and checksumming, the relay, until the controller "
+                             "has every checksum; on one host the relay is a local gloo send, so "
+                             "diffing (which reads every word) is not paid back here: the gain "
+                             "belongs to a relay across nodes")
+    return {"delta_vs_full.bytes_ratio": nbytes, "delta_vs_full.transfer_time": transfer,
+            "delta_vs_full.sync_time": time_comparison(median("delta", "total_s"),
+                                                       median("full", "total_s"))}
+
+
 # ----- report -----------------------------------------------------------------------------
 def _comparisons(name: str, r: dict, bucket_mb: float) -> dict:
     ours, naive, plan = r["ours"], r["naive"], r["plan"]
@@ -409,6 +485,13 @@ def main(argv: list[str] | None = None) -> int:
                              "per process; default tp1,pp2; --quick tp1)")
     parser.add_argument("--transport", choices=("auto", *TRANSPORTS.names()), default="auto",
                         help="reshard.transport of our sync (default auto: shared here)")
+    parser.add_argument("--delta", action="store_true",
+                        help="also compare relaying deltas against every word (bf16 wire, "
+                             "trainer PP2 with one rank standing for another node, after real "
+                             "optimizer steps at --delta-lr)")
+    parser.add_argument("--delta-lr", type=float, default=1e-6)
+    parser.add_argument("--delta-steps", type=int, default=3)
+    parser.add_argument("--only-delta", action="store_true", help="--delta and nothing else")
     parser.add_argument("--trainer-threads", type=int, default=1,
                         help="torch threads of the trainer process (the engine gets all cores)")
     args = parser.parse_args(argv)
@@ -417,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     threads = args.trainer_threads
     layouts = (args.layouts or ("tp1" if args.quick else "tp1,pp2")).split(",")
+    if args.only_delta:
+        args.delta, layouts = True, []
     results, models = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench_reshard_models_") as root:
         dirs = model_dirs(args.quick, Path(root))
@@ -443,6 +528,13 @@ def main(argv: list[str] | None = None) -> int:
             placement = measure_placement(dirs[name], bucket_mb)
             results.update(_placement_comparisons(placement))
             models["placement"] = {"model": name, **placement}
+        if args.delta:
+            name = "smollm2_135m" if "smollm2_135m" in dirs else "tiny"
+            _log(f"delta vs full: {name}, trainer PP2 (rank 1 relays), {args.delta_steps} "
+                 f"steps at lr {args.delta_lr}")
+            rows = measure_delta(dirs[name], bucket_mb, args.delta_steps, args.delta_lr)
+            results.update(_delta_comparisons(rows, args.delta_lr))
+            models["delta"] = {"model": name, "syncs": rows}
     meta = {"machine": machine_info(), "bucket_mb": bucket_mb, "repeats": repeats,
             "warmup": warmup,
             "trainer_threads": threads, "checksum": "sum64", "transport": args.transport,

@@ -71,6 +71,7 @@ RANGES: dict[str, Range] = {
     "reshard.bucket_mb": POSITIVE,
     "reshard.writer_threads": COUNT,
     "reshard.verify_every": COUNT,
+    "reshard.full_every": COUNT,
     "reshard.verify_tolerance": POSITIVE,
     "reshard.verify_prompts": COUNT,
     "reshard.verify_new_tokens": COUNT,

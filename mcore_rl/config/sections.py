@@ -171,6 +171,14 @@ class ReshardConfig:
     than the engine relay their pieces to it over the process group either way."""
     wire_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Dtype of the weights in the bucket; auto: the trainer's parameter dtype."""
+    delta: bool = False
+    """Trainer ranks on another node than the engine relay only the words of the wire dtype
+    that changed since the last sync (their positions and new values), where that is
+    smaller; the engine still checks checksums of the full values. Costs the wire dtype's
+    size per relayed parameter on the relaying rank and as much on the controller. Ranks on
+    the engine's node are unaffected (nothing crosses a network there)."""
+    full_every: int = 10
+    """With ``delta``: every N-th sync relays every word (so does the one after a failure)."""
     checksum: Literal["sum64", "crc32"] = "sum64"
     """Per-piece checksum checked by the engine before loading a bucket: sum64 (two 64-bit
     word sums, ~20 GB/s on CPU, catches any corrupted word or misplaced block) or crc32

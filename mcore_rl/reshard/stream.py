@@ -65,6 +65,18 @@ class SyncStats:
     total_s: float = 0.0
     """Wall time of the whole sync."""
     per_bucket_apply_s: list[float] = field(default_factory=list)
+    relayed_nbytes: int = 0
+    """Bytes that trainer ranks on other nodes sent to the controller (their pieces, or with
+    ``reshard.delta`` the changed words and their positions)."""
+    relayed_full_nbytes: int = 0
+    """What those ranks' pieces weigh in full."""
+    changed_fraction: float | None = None
+    """Of the words relayed as deltas, the fraction that changed (None: no delta sent)."""
+
+    @property
+    def sent_nbytes(self) -> int:
+        """Bytes that reached the engines' node: the local ranks' pieces and what was relayed."""
+        return self.nbytes - self.relayed_full_nbytes + self.relayed_nbytes
 
     @property
     def gb_per_s(self) -> float:
@@ -100,12 +112,14 @@ class WeightSync:
               wire_dtype: torch.dtype | None = None, shm_dir: str = "/dev/shm",
               checksum: str = "sum64", overlap: bool = True, writer_threads: int | None = None,
               transport: str = "auto", controller: int = 0, group=None,
-              local_ranks: set[int] | None = None) -> "WeightSync":
+              local_ranks: set[int] | None = None, delta: bool = False,
+              full_every: int = 10) -> "WeightSync":
         """Collective over the trainer ranks: plan, transport (`open_transport`), engines
         attached to it. ``engines``: the controller's (None elsewhere); ``bucket_mb``: the
         budget of two buckets in flight; ``wire_dtype``: default the parameters';
         ``local_ranks``: global ranks that can map the controller's memory (default: those
-        on its host; the others relay)."""
+        on its host; the others relay); ``delta``, ``full_every``: the others relay only the
+        words that changed, every ``full_every``-th sync in full (`mcore_rl.reshard.delta`)."""
         rank = dist.get_rank()
         engines = list(engines or [])
         raise_if_any("the controller rank needs at least one engine to sync into"
@@ -118,7 +132,7 @@ class WeightSync:
             chunks=chunks, arch=arch, wire_dtype=wire_dtype or parameters(chunks)[0].dtype,
             bucket_bytes=int(bucket_mb * 2**20) // 2, shm_dir=shm_dir, rank=rank,
             controller=controller, group=group, remote=frozenset(group_ranks(group)) - local,
-            holdings=local_holdings(chunks, rank)[0])
+            holdings=local_holdings(chunks, rank)[0], delta=delta, full_every=full_every)
         name, channel = open_transport(transport, setup)
         _attach(engines, channel, setup)
         writer = PieceWriter(writer_threads or default_writer_threads(group), checksum)
@@ -136,7 +150,8 @@ class WeightSync:
                          wire_dtype=DTYPES.get(cfg.wire_dtype), shm_dir=cfg.shm_dir,
                          checksum=cfg.checksum, overlap=cfg.overlap,
                          writer_threads=cfg.writer_threads, transport=cfg.transport,
-                         controller=controller, group=group)
+                         controller=controller, group=group, delta=cfg.delta,
+                         full_every=cfg.full_every)
 
     def close(self) -> None:
         """Free the transport's memory: every process lets go of it. Collective."""
@@ -175,6 +190,7 @@ class WeightSync:
         start = time.perf_counter()
         session = _Session(self, version, wake)
         loader = ThreadPoolExecutor(1, thread_name_prefix="reshard-load") if is_controller else None
+        ok = False
         try:
             views = self.local_views()
             loading: Future | None = None
@@ -188,9 +204,14 @@ class WeightSync:
                     session.held = []
                     error = self._wait(loading, version, None, stats)
             self._verdict(error)
+            ok = True
         finally:
             if loader is not None:
                 loader.shutdown(wait=True)
+            traffic = self.channel.end_sync(ok)
+        if traffic is not None:
+            stats.relayed_nbytes, stats.relayed_full_nbytes = traffic.nbytes, traffic.full_nbytes
+            stats.changed_fraction = traffic.changed_fraction
         stats.total_s = time.perf_counter() - start
         return stats
 

@@ -319,7 +319,9 @@ def sync_weights(state) -> dict[str, float]:
             state.rollout.check_alive("the weight sync")  # a dead engine is the cause to report
         raise
     out = {"sync/seconds": stats.total_s, "sync/transfer_s": stats.transfer_s,
-           "sync/apply_s": stats.apply_s}
+           "sync/apply_s": stats.apply_s, "sync/bytes": float(stats.sent_nbytes)}
+    if stats.changed_fraction is not None:
+        out["sync/changed_fraction"] = stats.changed_fraction
     r = state.cfg.reshard
     if r.verify and (state.weight_version - 1) % r.verify_every == 0:
         from mcore_rl.rl.engine_verify import probe_prompts, verify_engine_logprobs

@@ -402,3 +402,65 @@ def test_a_relaying_rank_that_fails_fails_the_sync_everywhere_without_a_hang(wor
     message = errors.pop()
     assert "rank 3 writing bucket" in message and "staging copy failed" in message
     assert results[0]["version"] is None
+
+
+def _delta_relayed(rank, world_size, hf_dir, start_dir):
+    """TP2xPP2, ranks 2 and 3 relay with deltas (every 2nd sync in full), bf16 on the wire.
+    Syncs: 1 full (no baseline yet); 2 a delta after 5% of every parameter changed by 1%;
+    3 full, same weights; 4 a delta with a word of the controller's baseline flipped; 5 full
+    again (after the failure). The engine's parameters after 2, 3 and 5, and the stats."""
+    from mcore_rl.engines.hf_engine import HFEngine
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.sources import parameters
+    from mcore_rl.reshard.stream import WeightSync
+
+    ctx = initialize_parallel(tp=2, pp=2)
+    built = build_model(hf_dir, ctx)
+    engine = HFEngine(start_dir) if rank == 0 else None
+    out = {"stats": {}, "params": {}, "errors": {}}
+
+    def snapshot():
+        return {k: v.clone() for k, v in engine.model.state_dict().items()} if engine else None
+
+    try:
+        with WeightSync.build(built.chunks, built.spec.arch, engines=[engine] if engine else None,
+                              bucket_mb=BUCKET_MB, wire_dtype=torch.bfloat16, local_ranks={0, 1},
+                              delta=True, full_every=2) as sync:
+            for version in range(1, 6):
+                if version == 2:
+                    with torch.no_grad():
+                        for p in parameters(built.chunks):
+                            p.view(-1)[::20].mul_(1.01)
+                if version == 4 and rank == 0:
+                    base = next(iter(sync.channel._receiver.base.values()))
+                    base[0] ^= 1
+                try:
+                    stats = sync.sync(version=version)
+                    out["stats"][version] = (stats.relayed_nbytes, stats.relayed_full_nbytes,
+                                             stats.changed_fraction)
+                except WeightSyncError as err:
+                    out["errors"][version] = str(err)
+                out["params"][version] = snapshot()
+        return out
+    finally:
+        destroy_parallel()
+
+
+def test_relayed_deltas_give_the_engine_what_a_full_sync_gives_and_a_bad_one_is_caught(world,
+                                                                                        models):
+    hf_dir, start_dir, _ = models["llama-untied"]
+    results = world.run(_delta_relayed, hf_dir, start_dir)
+    controller = results[0]
+    assert {v for r in results for v in r["errors"]} == {4}  # every rank, sync 4 only
+    assert "checksum" in controller["errors"][4], controller["errors"][4]
+    stats, params = controller["stats"], controller["params"]
+    sent, full, changed = stats[2]
+    assert 0.03 < changed < 0.07, changed  # 1 word in 20 changed
+    assert sent < 0.25 * full, (sent, full)
+    for version in (1, 3, 5):  # full sends
+        assert stats[version][0] >= stats[version][1] * 0.99 and stats[version][2] is None
+    assert not all(torch.equal(params[1][k], params[2][k]) for k in params[1])  # a real change
+    for version in (3, 5):  # the full path, the verified one, gives the same weights
+        for k, tensor in params[2].items():
+            assert torch.equal(params[version][k], tensor), (version, k)

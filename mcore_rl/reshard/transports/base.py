@@ -53,6 +53,10 @@ class TransportSetup:
     (`mcore_rl.reshard.transports.relay`)."""
     holdings: list[Holding] = field(default_factory=list)
     """What this rank holds (`local_holdings`)."""
+    delta: bool = False
+    """Relayed pieces travel as the words changed since the last sync (`mcore_rl.reshard.delta`)."""
+    full_every: int = 10
+    """With ``delta``: every N-th sync sends every word."""
 
     @property
     def is_remote(self) -> bool:
@@ -122,6 +126,11 @@ class Transport(ABC):
     def deliver(self, k: int) -> None:
         """After this rank's writes of bucket k (even failed ones: no rank may wait for what
         does not come): whatever makes bucket k complete on the controller."""
+
+    def end_sync(self, ok: bool):
+        """After each sync, on every rank (``ok``: it succeeded everywhere): what the
+        relay moved (`mcore_rl.reshard.delta.Traffic`), or None where nothing is relayed."""
+        return None
 
     def close(self) -> None:
         """Release this rank's resources (after every engine let go of ``path``)."""

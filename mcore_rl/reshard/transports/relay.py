@@ -11,6 +11,11 @@ to end. `RelayTransport` wraps the transport the other ranks use (buckets: the p
 their plan offsets in the file), and the remote ranks open that one too, without mapping its
 file, so that every rank runs the same collectives.
 
+With ``reshard.delta`` a remote rank sends only the words that changed since the last sync
+(`mcore_rl.reshard.delta`): both ends keep the last-sent words of the relayed pieces, every
+``reshard.full_every``-th sync and the one after a failed sync send every word, and the
+engine still checks the checksums of the full values.
+
 The transfer runs over a gloo group (CPU tensors, whatever the trainer's backend): the
 bucket is host memory at both ends. A rank that fails while copying still sends every piece
 of the bucket, so the controller never waits for one that will not come; the failure
@@ -25,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.parallel.agreement import all_gather
+from mcore_rl.reshard.delta import DeltaReceiver, DeltaSender, Traffic
 from mcore_rl.reshard.sources import piece_source
 from mcore_rl.reshard.transports.base import Transport, TransportSetup
 from mcore_rl.reshard.transports.buckets import BucketsTransport
@@ -59,6 +65,10 @@ class RelayTransport(Transport):
         self._received = ({k: self._bucket_views(k) for k in range(len(self.plan.buckets))}
                           if self.rank == self.controller else {})
         """Controller: where the remote ranks' pieces of each bucket land, in plan order."""
+        self.delta, self.full_every = setup.delta, max(1, setup.full_every)
+        self._sender, self._receiver = DeltaSender(), DeltaReceiver()
+        self._syncs = 0  # syncs that ended well since the last full one
+        self._traffic = Traffic()
 
     @classmethod
     def open(cls, setup: TransportSetup,
@@ -106,11 +116,42 @@ class RelayTransport(Transport):
     def deliver(self, k: int) -> None:
         self.inner.deliver(k)
         if self.sends:  # every piece, after copying it or failing to
-            for _key, view in self._staged[k]:
-                dist.send(view, dst=self.controller, group=self.group)
+            views = [view for _key, view in self._staged[k]]
+            if self.delta and views:  # (the controller expects nothing from a rank without pieces)
+                full = self._syncs % self.full_every == 0
+                self._sender.send(k, views, self.controller, self.group, full)
+            else:
+                for view in views:
+                    dist.send(view, dst=self.controller, group=self.group)
+        elif self.delta:  # the controller: patched, then copied into the bucket
+            by_sender: dict[int, list[torch.Tensor]] = {}
+            for src, view in self._received.get(k, ()):
+                by_sender.setdefault(src, []).append(view)
+            problems = []
+            for src, views in by_sender.items():  # every sender's message, read to its end
+                try:
+                    self._receiver.receive(k, src, views, self.group, self._traffic)
+                except Exception as err:  # noqa: BLE001 - the first is raised below
+                    problems.append(err)
+            if problems:
+                raise problems[0]
         else:  # the controller: straight into the bucket (nothing on the other local ranks)
             for src, view in self._received.get(k, ()):
                 dist.recv(view, src=src, group=self.group)
+                n = view.numel() * view.element_size()
+                self._traffic.nbytes += n
+                self._traffic.full_nbytes += n
+                self._traffic.words += view.numel()
+
+    def end_sync(self, ok: bool) -> Traffic:
+        traffic, self._traffic = self._traffic, Traffic()
+        if ok:
+            self._syncs += 1
+        else:  # the next sync sends every word
+            self._syncs = 0
+            self._sender.forget()
+            self._receiver.forget()
+        return traffic
 
     def close(self) -> None:
         self.inner.close()
