@@ -464,3 +464,77 @@ def test_relayed_deltas_give_the_engine_what_a_full_sync_gives_and_a_bad_one_is_
     for version in (3, 5):  # the full path, the verified one, gives the same weights
         for k, tensor in params[2].items():
             assert torch.equal(params[version][k], tensor), (version, k)
+
+
+def _as_weight_source(rank, world_size, layout, hf_dir, bad_rank=None):
+    """The plan as vLLM's WeightSource, driven by vLLM's own ``iter_groups`` (its order
+    check) on every rank, twice (a fresh pass each time)."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.stream import WeightSync
+    from mcore_rl.reshard.weight_source import plan_source
+
+    ctx = initialize_parallel(tp=layout[0], pp=layout[1])
+    built = build_model(hf_dir, ctx)
+
+    class _Engine:  # the controller needs one to map the file; it loads nothing here
+        def attach_update_buffer(self, path, nbytes):
+            from mcore_rl.wire import BucketReader
+            self.reader = BucketReader()
+            self.reader.open(path, nbytes)
+
+        def release_update_buffer(self):
+            self.reader.close()
+
+    try:
+        with WeightSync.build(built.chunks, built.spec.arch,
+                              engines=[_Engine()] if rank == 0 else None,
+                              bucket_mb=BUCKET_MB, transport="buckets") as sync:
+            source = plan_source(sync)
+            meta = source.metadata()
+            out = {"names": [m.name for m in meta],
+                   "grouped": [n for g in layerwise_groups([m.name for m in meta]) for n in g],
+                   "shapes": {m.name: tuple(m.shape) for m in meta}, "passes": []}
+            if rank == bad_rank:
+                def broken(share):
+                    raise RuntimeError("copy failed")
+                sync.writer.run = broken
+            for _ in range(2):
+                got = {}
+                try:
+                    for names, tensors in source.iter_groups():
+                        for name, t in zip(names, tensors):
+                            got[name] = None if t is None else t.clone()
+                except WeightSyncError as err:
+                    got = str(err)
+                out["passes"].append(got)
+        return out
+    finally:
+        destroy_parallel()
+
+
+def test_the_plan_as_vllms_weight_source_passes_its_order_check_and_yields_the_checkpoint(
+        world, models):
+    hf_dir, _, expected = models["qwen2-tied"]
+    results = world.run(_as_weight_source, LAYOUTS["TP2xPP2"][:2], hf_dir)
+    controller = results[0]
+    assert controller["names"] == controller["grouped"]  # metadata is in layerwise order
+    assert sorted(controller["names"]) == sorted(expected)
+    for got in controller["passes"]:  # every pass, fresh: the checkpoint's tensors exactly
+        assert sorted(got) == sorted(expected)
+        for name, tensor in expected.items():
+            assert got[name].shape == controller["shapes"][name]
+            assert torch.equal(got[name], tensor), name
+    for r in results[1:]:  # the other ranks iterate in lockstep, holding nothing
+        assert r["names"] == controller["names"]
+        assert all(set(p.values()) == {None} for p in r["passes"])
+
+
+def test_a_rank_failing_inside_the_weight_source_fails_every_rank_without_a_hang(world, models):
+    hf_dir, _, _ = models["qwen2-tied"]
+    results = world.run(_as_weight_source, LAYOUTS["TP2xPP2"][:2], hf_dir, bad_rank=2)
+    messages = {p for r in results for p in r["passes"]}
+    assert len(messages) == 1, messages
+    assert "rank 2 writing bucket 1" in messages.pop()
