@@ -162,7 +162,10 @@ def save_checkpoint(state: RunState, checkpoints=None):
 
 
 def sample_rows(batch, limit: int = 8) -> list[dict]:
-    return [{"prompt": m["prompt"], "response": r, "reward": float(s)}
+    """Rows of ``samples.jsonl``: prompt, response, reward, and the prompt's identity (its
+    epoch and index in the dataset) where the prompt came from the run's prompt stream."""
+    return [{"prompt": m["prompt"], "response": r, "reward": float(s),
+             **({"epoch": m["data_epoch"], "index": m["data_index"]} if "data_index" in m else {})}
             for m, r, s in zip(batch.meta["prompt_meta"][:limit], batch.meta["response_text"][:limit],
                                batch["scores"][:limit].tolist())]
 

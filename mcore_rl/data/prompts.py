@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 from mcore_rl.config import DataConfig
@@ -66,8 +67,15 @@ def reasoning_gym_records(task: str, size: int, seed: int) -> list[PromptRecord]
             for e in dataset]
 
 
+IDENTITY_KEYS = ("data_epoch", "data_index")
+"""Fields `PromptStream.take` adds to each record's ``meta``: the epoch and the record's
+index in the dataset, a prompt's identity that stays the same across a kill and resume
+(``samples.jsonl`` carries it)."""
+
+
 class PromptStream:
-    """Endless seeded epochs over records; ``position`` counts records handed out."""
+    """Endless seeded epochs over records; ``position`` counts records handed out. Each
+    record taken carries its identity (`IDENTITY_KEYS`) in its ``meta``."""
 
     def __init__(self, records: list[PromptRecord], seed: int):
         self.records = records
@@ -89,7 +97,10 @@ class PromptStream:
         out = []
         for _ in range(n):
             epoch, i = divmod(self.position, len(self.records))
-            out.append(self.records[self._order(epoch)[i]])
+            index = self._order(epoch)[i]
+            record = self.records[index]
+            out.append(replace(record, meta={**record.meta, "data_epoch": epoch,
+                                             "data_index": index}))
             self.position += 1
         return out
 

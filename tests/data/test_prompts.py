@@ -54,6 +54,24 @@ def test_prompt_stream_is_reproducible_from_its_position():
     assert sorted(r.prompt for r in first[:100]) == sorted(r.prompt for r in records)
 
 
+def test_every_prompt_taken_carries_its_epoch_and_dataset_index_also_after_a_resume():
+    records = [PromptRecord(f"p{i}", {"answer": i}) for i in range(7)]
+    stream = PromptStream(records, seed=2)
+    taken = stream.take(16)  # two epochs and two prompts of the third
+    for r in taken:  # the identity names the record it came from
+        assert r.prompt == records[r.meta["data_index"]].prompt
+        assert r.meta["answer"] == r.meta["data_index"]
+    assert [r.meta["data_epoch"] for r in taken] == [0] * 7 + [1] * 7 + [2] * 2
+    for epoch in (0, 1):  # each epoch: every index once
+        assert sorted(r.meta["data_index"] for r in taken if r.meta["data_epoch"] == epoch) == \
+            list(range(7))
+    assert "data_index" not in records[0].meta  # the dataset's records stay as they were
+    resumed = PromptStream(records, seed=2)
+    resumed.position = 9
+    assert [(r.meta["data_epoch"], r.meta["data_index"]) for r in resumed.take(7)] == \
+        [(r.meta["data_epoch"], r.meta["data_index"]) for r in taken[9:]]
+
+
 def test_char_tokenizer_round_trips_and_rejects_unknown_characters(tmp_path):
     tok = CharTokenizer("0123456789+=")
     assert tok.decode(tok.encode("3+4=7")) == "3+4=7"

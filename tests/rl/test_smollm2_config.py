@@ -24,5 +24,6 @@ def test_one_short_step_of_the_smollm2_config_runs_end_to_end(tmp_path):
     assert step["sync/verify_max_abs_diff"] < 0.05
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 and all(s["step"] == 1 and s["response"] for s in samples)
+    assert {(s["epoch"], type(s["index"])) for s in samples} == {(0, int)}  # the prompt's identity
     # the reasoning-gym prompt text (the chat template is applied to token ids, not logged)
     assert all("<|im_start|>" not in s["prompt"] and len(s["prompt"]) > 10 for s in samples)
