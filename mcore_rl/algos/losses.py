@@ -109,3 +109,54 @@ def tis_policy_gradient(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor
     w = truncated_importance_weight(logprobs.detach(), behaviour_logprobs, cap)
     capped = importance_weight_capped(logprobs, behaviour_logprobs, cap)
     return -advantages * w * logprobs, {"clip_fraction": capped, "is_weight": w, "is_capped": capped}
+
+
+def ratio_band_mask(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, low: float,
+                    high: float) -> torch.Tensor:
+    """1.0 where low <= pi / pi_behav <= high, else 0.0; no gradient."""
+    ratio = torch.exp((logprobs - behaviour_logprobs).detach())
+    return ((ratio >= low) & (ratio <= high)).to(ratio.dtype)
+
+
+def icepop(per_token_loss: torch.Tensor, diag: dict[str, torch.Tensor], logprobs: torch.Tensor,
+           behaviour_logprobs: torch.Tensor, low: float, high: float
+           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """IcePop: a token whose r = pi_theta / pi_behav lies outside [low, high] gets no gradient
+    (its loss is multiplied by 0; it still counts in the mean); the others keep the
+    configured loss unchanged:
+
+        loss_t = 1[low <= sg(r_t) <= high] * loss_t.
+
+    Returns (per-token loss, ``diag`` plus ``is_masked``: 1 where the token was masked)."""
+    keep = ratio_band_mask(logprobs, behaviour_logprobs, low, high)
+    return per_token_loss * keep, {**diag, "is_masked": 1.0 - keep}
+
+
+def masked_importance_sampling(per_token_loss: torch.Tensor, diag: dict[str, torch.Tensor],
+                               logprobs: torch.Tensor, prox_logprobs: torch.Tensor,
+                               behaviour_logprobs: torch.Tensor, mask: torch.Tensor, low: float,
+                               high: float, level: str = "token"
+                               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Masked importance sampling: the behaviour correction of `decoupled_ppo`, with weights
+    that leave the trusted range set to 0 instead of truncated. With r_t = pi_theta / pi_behav:
+
+    - ``level="token"``: a token with r_t > high is masked;
+    - ``level="sequence"``: a sequence whose geometric-mean ratio exp(mean_t log r_t) over its
+      response tokens (``mask``) lies outside [low, high] is masked whole;
+
+        loss_t = keep_t * sg(pi_prox / pi_behav) * loss_t.
+
+    Returns (per-token loss, ``diag`` plus ``is_weight`` (the weight, 0 where masked) and
+    ``is_masked``)."""
+    log_r = (logprobs - behaviour_logprobs).detach()
+    if level == "token":
+        keep = (log_r.exp() <= high).to(log_r.dtype)
+    elif level == "sequence":
+        m = mask.to(log_r.dtype)
+        geometric = ((log_r * m).sum(-1) / m.sum(-1).clamp(min=1)).exp()
+        keep = ((geometric >= low) & (geometric <= high)).to(log_r.dtype).unsqueeze(-1)
+        keep = keep.expand_as(log_r)
+    else:
+        raise ValueError(f"unknown masked-importance-sampling level {level!r} (token, sequence)")
+    weight = torch.exp((prox_logprobs - behaviour_logprobs).detach()) * keep
+    return per_token_loss * weight, {**diag, "is_weight": weight, "is_masked": 1.0 - keep}

@@ -13,7 +13,7 @@ import torch
 
 from mcore_rl.algos.kl import kl_per_token
 from mcore_rl.algos.losses import (POLICY_LOSSES, aggregate, clipped_value_loss, decoupled_ppo,
-                                   tis_policy_gradient)
+                                   icepop, masked_importance_sampling, tis_policy_gradient)
 from mcore_rl.config import AlgorithmConfig
 
 
@@ -23,8 +23,12 @@ def actor_loss_fn(cfg: AlgorithmConfig, kl_coef: float) -> Callable:
     ``off_policy_correction`` (``algorithm``): none: the configured policy loss against
     ``old_logprobs``; decoupled_ppo: that loss (against the proximal policy, ``old_logprobs``)
     times min(pi_prox / pi_behav, is_cap); tis: the truncated-importance-sampling policy
-    gradient against the behaviour policy in place of the configured loss. Both corrections
-    read the behaviour policy's log-probs from ``rollout_logprobs``.
+    gradient against the behaviour policy in place of the configured loss; icepop: the
+    configured loss, with no gradient for tokens whose pi_theta / pi_behav leaves
+    [is_mask_low, is_mask_high]; mis: decoupled_ppo's weight pi_prox / pi_behav, set to 0 for
+    tokens (``mis_level: token``: pi_theta / pi_behav > is_mask_high) or whole sequences
+    (``sequence``: their geometric-mean ratio outside the band) instead of truncated. Every
+    correction reads the behaviour policy's log-probs from ``rollout_logprobs``.
     """
     policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
     correction = cfg.off_policy_correction
@@ -48,13 +52,24 @@ def actor_loss_fn(cfg: AlgorithmConfig, kl_coef: float) -> Callable:
             if correction == "decoupled_ppo":
                 per_token, diag = decoupled_ppo(per_token, diag, mb["old_logprobs"],
                                                 mb["rollout_logprobs"], cfg.is_cap)
+            elif correction == "icepop":
+                per_token, diag = icepop(per_token, diag, logprobs, mb["rollout_logprobs"],
+                                         cfg.is_mask_low, cfg.is_mask_high)
+            elif correction == "mis":
+                per_token, diag = masked_importance_sampling(
+                    per_token, diag, logprobs, mb["old_logprobs"], mb["rollout_logprobs"], mask,
+                    cfg.is_mask_low, cfg.is_mask_high, cfg.mis_level)
         metrics = {}
         if "rollout_logprobs" in mb:
             gap = (mb["old_logprobs"] - mb["rollout_logprobs"]).abs()
             metrics["engine_logprob_gap"] = aggregate(gap, mask, cfg.loss_aggregation)[0]
         if "is_weight" in diag:
             metrics["is_weight"] = aggregate(diag["is_weight"], mask, cfg.loss_aggregation)[0]
+        if "is_capped" in diag:
             metrics["is_capped_fraction"] = aggregate(diag["is_capped"], mask,
+                                                      cfg.loss_aggregation)[0]
+        if "is_masked" in diag:
+            metrics["is_masked_fraction"] = aggregate(diag["is_masked"], mask,
                                                       cfg.loss_aggregation)[0]
         if kl_coef > 0 and not cfg.kl_in_reward:
             kl = kl_per_token(logprobs, mb["ref_logprobs"], cfg.kl_estimator)

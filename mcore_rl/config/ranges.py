@@ -94,6 +94,10 @@ RANGES: dict[str, Range] = {
                                                               "of its own"),
     "algorithm.is_cap": Range(low=0, low_open=True, fix="the largest importance weight a token "
                                                         "gets, e.g. 2.0"),
+    "algorithm.is_mask_low": NON_NEGATIVE,
+    "algorithm.is_mask_high": Range(low=0, low_open=True, fix="the highest trusted ratio of "
+                                                              "the current to the behaviour "
+                                                              "policy, e.g. 2.0"),
     "optimizer.lr": NON_NEGATIVE,
     "optimizer.critic_lr": NON_NEGATIVE,
     "optimizer.min_lr": NON_NEGATIVE,
@@ -170,6 +174,12 @@ def check_ranges(cfg) -> None:
             hint = f" ({rng.fix})" if rng.fix else ""
             raise ConfigError(f"{name} must be {rng.describe()}, got {value:g}; set {name} to a "
                               f"value {rng.describe()}{hint}")
+    algorithm = getattr(cfg, "algorithm", None)
+    if algorithm is not None and hasattr(algorithm, "is_mask_low") \
+            and algorithm.is_mask_low >= algorithm.is_mask_high:
+        raise ConfigError(f"algorithm.is_mask_low ({algorithm.is_mask_low:g}) must be below "
+                          f"algorithm.is_mask_high ({algorithm.is_mask_high:g}); set a band "
+                          "such as is_mask_low=0.5 is_mask_high=2.0")
 
 
 def _with_mapping_entries(fields):

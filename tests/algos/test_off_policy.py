@@ -113,7 +113,7 @@ def test_a_ratio_above_the_cap_gets_exactly_the_cap():
 
 def _micro_batch(logprobs, prox, behav, adv, with_rollout=True):
     pad = [5.0]
-    tensors = {"response_mask": torch.tensor([[0, 1, 1, 1]]),
+    tensors = {"response_mask": torch.tensor([[0] + [1] * len(logprobs)]),
                "old_logprobs": t([pad + prox]), "advantages": t([pad + adv])}
     if with_rollout:
         tensors["rollout_logprobs"] = t([[-9.0] + behav])
@@ -167,7 +167,66 @@ def test_actor_objective_none_is_plain_ppo_clip_and_ignores_the_behaviour_policy
     assert total.item() == pytest.approx(-2.4)
 
 
-@pytest.mark.parametrize("correction", ["decoupled_ppo", "tis"])
+# icepop and mis, four tokens, clip 0.2, band [0.5, 2], pi_prox = 1 (log 0); mis's weight
+# w = pi_prox / pi_behav = r / (pi / pi_prox):
+#   token  A    pi/pi_prox  r = pi/pi_behav  ppo loss  icepop          mis
+#   1      1    1.1         1.5              -1.1      kept: -1.1      w = 1.5/1.1: -1.5
+#   2      1    1.0         3.0              -1.0      masked (> 2)    masked (> 2)
+#   3      1    0.9         0.4              -0.9      masked (< 0.5)  kept (only > 2 masks a token), w = 0.4/0.9: -0.4
+#   4     -2    1.0         0.6               2.0      kept: 2.0       w = 0.6: 1.2
+# gradients: icepop -A r on kept tokens (-1.1, 0, 0, 2); mis -A r w (-1.5, 0, -0.4, 1.2)
+BAND_ADV = [1.0, 1.0, 1.0, -2.0]
+BAND_LOGPROBS = [L(1.1), 0.0, L(0.9), 0.0]
+BAND_PROX = [0.0] * 4
+BAND_BEHAV = [L(1.1) - L(1.5), -L(3.0), L(0.9) - L(0.4), -L(0.6)]
+
+
+def test_icepop_masks_tokens_outside_the_band_and_keeps_the_loss_of_the_others():
+    outputs, mb = _micro_batch(BAND_LOGPROBS, BAND_PROX, BAND_BEHAV, BAND_ADV)
+    total, units, metrics = actor_loss_fn(_cfg("icepop"), kl_coef=0.0)(outputs, mb)
+    assert units.item() == 4  # masked tokens still count in the mean
+    assert total.item() == pytest.approx(-1.1 + 2.0)
+    torch.testing.assert_close(grad_of(total, outputs["logprobs"]), t([[0.0, -1.1, 0.0, 0.0, 2.0]]))
+    assert metrics["is_masked_fraction"].item() == pytest.approx(2.0)  # summed; / units later
+    assert "is_weight" not in metrics
+
+
+def test_mis_at_token_level_masks_ratios_above_the_band_and_weights_the_others():
+    outputs, mb = _micro_batch(BAND_LOGPROBS, BAND_PROX, BAND_BEHAV, BAND_ADV)
+    total, units, metrics = actor_loss_fn(_cfg("mis"), kl_coef=0.0)(outputs, mb)
+    assert units.item() == 4
+    assert total.item() == pytest.approx(-1.5 - 0.4 + 1.2)
+    torch.testing.assert_close(grad_of(total, outputs["logprobs"]),
+                               t([[0.0, -1.5, 0.0, -0.4, 1.2]]))
+    assert metrics["is_masked_fraction"].item() == pytest.approx(1.0)
+    assert metrics["is_weight"].item() == pytest.approx(1.5 / 1.1 + 0.4 / 0.9 + 0.6)
+
+
+def test_mis_at_sequence_level_masks_whole_sequences_by_their_geometric_mean_ratio():
+    # sequence 1: r = 1.5, 3 -> sqrt(4.5) = 2.12 > 2: masked whole;
+    # sequence 2: r = 0.4, 0.9 -> sqrt(0.36) = 0.6 in [0.5, 2]: kept, w = 0.4/0.9 and 0.9:
+    #   losses -0.9 * 0.4/0.9 = -0.4 and 2 * 0.9 = 1.8; gradients -A r w: -0.4, 1.8
+    behav = [L(1.1) - L(1.5), -L(3.0), L(0.9) - L(0.4), -L(0.9)]
+    tensors = {"response_mask": torch.tensor([[0, 1, 1], [0, 1, 1]]),
+               "old_logprobs": t([[5.0, 0.0, 0.0], [5.0, 0.0, 0.0]]),
+               "advantages": t([[5.0, 1.0, 1.0], [5.0, 1.0, -2.0]]),
+               "rollout_logprobs": t([[-9.0] + behav[:2], [-9.0] + behav[2:]])}
+    outputs = {"logprobs": t([[0.0, L(1.1), 0.0], [0.0, L(0.9), 0.0]], grad=True)}
+    cfg = _cfg("mis", mis_level="sequence")
+    total, units, metrics = actor_loss_fn(cfg, kl_coef=0.0)(outputs, Batch(tensors))
+    assert total.item() == pytest.approx(-0.4 + 1.8)
+    torch.testing.assert_close(grad_of(total, outputs["logprobs"]),
+                               t([[0.0, 0.0, 0.0], [0.0, -0.4, 1.8]]))
+    assert metrics["is_masked_fraction"].item() == pytest.approx(2.0)
+
+
+def test_the_masking_band_must_be_ordered():
+    with pytest.raises(ConfigError, match=r"algorithm.is_mask_low \(3\) must be below "
+                                          r"algorithm.is_mask_high \(2\)"):
+        check_ranges(load_config(None, ["algorithm.is_mask_low=3"]))
+
+
+@pytest.mark.parametrize("correction", ["decoupled_ppo", "tis", "icepop", "mis"])
 def test_a_correction_without_rollout_logprobs_is_refused(correction):
     outputs, mb = _micro_batch(DPPO_LOGPROBS, DPPO_PROX, DPPO_BEHAV, DPPO_ADV, with_rollout=False)
     with pytest.raises(ValueError, match=rf"off_policy_correction={correction}.*'rollout_logprobs'"):
