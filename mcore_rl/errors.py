@@ -27,3 +27,8 @@ class StopRequested(Exception):
 class NonFiniteError(UsageError):
     """A loss, gradient or weight that is not finite: the run stops with one line naming the
     step (``train.on_nonfinite: stop``), before the update reaches the weights."""
+
+
+class MismatchError(UsageError):
+    """The engine's and the trainer's log-probs of the sampled tokens differ beyond
+    ``rollout.mismatch_stop``: the run stops with one line naming the step."""

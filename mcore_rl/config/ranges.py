@@ -94,6 +94,8 @@ RANGES: dict[str, Range] = {
                                                               "of its own"),
     "algorithm.is_cap": Range(low=0, low_open=True, fix="the largest importance weight a token "
                                                         "gets, e.g. 2.0"),
+    "rollout.mismatch_warn": Range(low=1, fix="the error is >= 1 by definition; e.g. 1.1"),
+    "rollout.mismatch_stop": Range(low=1, fix="the error is >= 1 by definition; e.g. 1.5"),
     "algorithm.is_mask_low": NON_NEGATIVE,
     "algorithm.is_mask_high": Range(low=0, low_open=True, fix="the highest trusted ratio of "
                                                               "the current to the behaviour "

@@ -16,6 +16,7 @@ sequences fall into micro-batches and ranks.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -30,6 +31,10 @@ from mcore_rl.train.moe_metrics import aux_loss_metrics, clear_aux_losses
 from mcore_rl.train.routing_replay import ROUTES
 from mcore_rl.train.shared_prompts import (SharedLayout, share_prompts, supports_shared_prompts,
                                            token_positions, unshare)
+
+MAX_SUFFIX = "_max"
+"""A loss function's metric whose name ends so is reduced by max over micro-batches and DP
+ranks (and not divided by the units); every other metric is summed and divided."""
 
 # loss_fn(outputs, micro_batch) -> (summed loss, unit count, {metric name: summed value})
 LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Tensor | int, dict]]
@@ -405,7 +410,7 @@ class TrainEngine:
         units = sums.pop("units")
         loss = sums.pop("loss")
         denom = max(units, 1.0)
-        metrics = {k: v / denom for k, v in sums.items()}
+        metrics = {k: v if k.endswith(MAX_SUFFIX) else v / denom for k, v in sums.items()}
         if moe_layers:
             metrics |= aux_loss_metrics(sum(1 for rows in plan if rows), moe_layers)
         return StepResult(loss=loss / denom, grad_norm=grad_norm,
@@ -482,12 +487,22 @@ class TrainEngine:
             dist.broadcast_object_list(box, src=dist.get_process_group_ranks(self.ctx.pp_group)[-1],
                                        group=self.ctx.pp_group)
             names = box[0]
-        local = torch.tensor([sum(float(r[n]) for r in reports) for n in names], dtype=torch.float64)
+        # summed over micro-batches and DP ranks; a name ending in "_max": the largest value
+        maxed = [n.endswith(MAX_SUFFIX) for n in names]
+        local = torch.tensor([max((float(r[n]) for r in reports), default=-math.inf) if m else
+                              sum(float(r[n]) for r in reports) for n, m in zip(names, maxed)],
+                             dtype=torch.float64)
         if self.ctx.pp > 1 or self.ctx.dp > 1:
             local = local.to(backend_device(self.ctx.world_group))
         if self.ctx.pp > 1:
             dist.broadcast(local, src=dist.get_process_group_ranks(self.ctx.pp_group)[-1],
                            group=self.ctx.pp_group)
         if self.ctx.dp > 1:
+            which = torch.tensor(maxed, dtype=torch.bool, device=local.device)
+            if which.any():
+                peak = torch.where(which, local, torch.full_like(local, -math.inf))
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)
             dist.all_reduce(local, group=self.ctx.dp_group)
+            if which.any():
+                local = torch.where(which, peak, local)
         return dict(zip(names, local.tolist()))

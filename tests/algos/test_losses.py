@@ -70,3 +70,24 @@ def test_clipped_value_loss_takes_the_worse_of_clipped_and_unclipped():
 def test_truncated_importance_weight_is_capped():
     w = truncated_importance_weight(torch.tensor([0.0, 0.0]), torch.tensor([math.log(4.0), -5.0]), 2.0)
     torch.testing.assert_close(w, torch.tensor([0.25, 2.0]))
+
+
+def test_mismatch_sums_on_hand_checked_tokens_only_where_the_mask_says_fresh():
+    from mcore_rl.algos.losses import mismatch_metrics, mismatch_sums
+
+    L = math.log
+    # sequence 1: ratios 1.0, 1.2 (outside [0.9, 1.1]); sequence 2: 0.5 (outside), and a
+    # stale token (mask 0) whose huge gap must not count
+    trainer = torch.tensor([[0.0, L(1.2)], [L(0.5), 5.0]], dtype=torch.float64)
+    engine = torch.zeros(2, 2, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    sums = {k: float(v) for k, v in mismatch_sums(trainer, engine, mask).items()}
+    m = mismatch_metrics(sums)
+    d = [0.0, L(1.2), L(2.0)]  # |log ratio|
+    assert m["rollout/mismatch_tokens"] == 3
+    assert m["rollout/token_mult_prob_error"] == pytest.approx((1.0 + 1.2 + 2.0) / 3)
+    assert m["rollout/logprob_abs_diff_mean"] == pytest.approx(sum(d) / 3)
+    assert m["rollout/logprob_abs_diff_max"] == pytest.approx(L(2.0))
+    assert m["rollout/ratio_outside_band_frac"] == pytest.approx(2 / 3)
+    assert m["rollout/seq_mult_prob_error_max"] == pytest.approx(2.0)  # sequence 2: exp(log 2)
+    assert mismatch_metrics({"mismatch_tokens": 0.0}) == {}

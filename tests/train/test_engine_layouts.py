@@ -135,3 +135,40 @@ def test_one_train_batch_updates_parameters_identically_at_every_layout(
         got = oracle_world.run(_model_tensors, tied, out)[0]
         diff, where = max_relative_difference(got, expected)
         assert diff <= 1e-5, f"{name}: parameters differ from TP1 by {diff:.2e} (worst: {where})"
+
+
+def max_and_sum_loss(outputs, mb):
+    """A token-mean loss reporting a summed metric and a maximum (name ending ``_max``)."""
+    mask = mb["response_mask"].float()
+    lp = outputs["logprobs"]
+    peak = torch.where(mask > 0, lp.detach(), torch.full_like(lp, -1e9)).max()
+    return -(lp * mask).sum(), mask.sum(), {"tokens": mask.sum(), "logprob_max": peak}
+
+
+def _metrics_once(rank, world_size, layout, init_dir):
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.train.checkpoint import load_engine, save_engine
+
+    ctx = initialize_parallel(tp=layout[0], pp=layout[1], vpp=layout[2], seed=11)
+    engine = _engine(ctx, tied=False)
+    if os.path.exists(init_dir):
+        load_engine(engine, init_dir, load_optimizer=False)
+    else:
+        save_engine(engine, init_dir)
+    result = engine.train_batch(fixed_batch(), max_and_sum_loss)
+    destroy_parallel()
+    return result.metrics
+
+
+def test_a_metric_named_max_is_the_largest_over_micro_batches_and_ranks(oracle_world, world,
+                                                                        tmp_path):
+    init = str(tmp_path / "init")
+    [ref] = oracle_world.run(_metrics_once, (1, 1, None), init)
+    batch = fixed_batch()
+    assert ref["tokens"] == 1.0  # summed, then divided by the units (the tokens)
+    assert ref["logprob_max"] < 0  # a log-prob, not a sum of them over micro-batches
+    for name in ("DP2", "PP2"):
+        for got in world.run(_metrics_once, LAYOUTS[name], init):
+            assert got["tokens"] == pytest.approx(1.0), name
+            assert got["logprob_max"] == pytest.approx(ref["logprob_max"], rel=1e-5), name
+    assert int(batch["response_mask"].sum()) > 0
