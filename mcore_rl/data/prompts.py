@@ -74,8 +74,9 @@ index in the dataset, a prompt's identity that stays the same across a kill and 
 
 
 class PromptStream:
-    """Endless seeded epochs over records; ``position`` counts records handed out. Each
-    record taken carries its identity (`IDENTITY_KEYS`) in its ``meta``."""
+    """Endless seeded epochs over records (any items; e.g. preference pairs too);
+    ``position`` counts records handed out. Each `PromptRecord` taken carries its identity
+    (`IDENTITY_KEYS`) in its ``meta``."""
 
     def __init__(self, records: list[PromptRecord], seed: int):
         self.records = records
@@ -99,8 +100,10 @@ class PromptStream:
             epoch, i = divmod(self.position, len(self.records))
             index = self._order(epoch)[i]
             record = self.records[index]
-            out.append(replace(record, meta={**record.meta, "data_epoch": epoch,
-                                             "data_index": index}))
+            if isinstance(record, PromptRecord):
+                record = replace(record, meta={**record.meta, "data_epoch": epoch,
+                                               "data_index": index})
+            out.append(record)
             self.position += 1
         return out
 
