@@ -108,7 +108,8 @@ def after_step(state: RunState, metrics: dict[str, float], stop) -> None:
         metrics |= validation_metrics(state)
     state.log.log(state.step, metrics, console=state.step % cfg.logging.log_every == 0)
     if cfg.logging.samples_every and state.step % cfg.logging.samples_every == 0:
-        state.log.samples(state.step, sample_rows(state.last_batch))
+        state.log.samples(state.step, sample_rows(state.last_batch,
+                                                  cfg.logging.samples_per_step or None))
     saved = None
     if (cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0) \
             or state.step == cfg.train.steps:
@@ -161,7 +162,7 @@ def save_checkpoint(state: RunState, checkpoints=None):
         "weight_version": state.weight_version})
 
 
-def sample_rows(batch, limit: int = 8) -> list[dict]:
+def sample_rows(batch, limit: int | None = 8) -> list[dict]:
     """Rows of ``samples.jsonl``: prompt, response, reward, and the prompt's identity (its
     epoch and index in the dataset) where the prompt came from the run's prompt stream."""
     return [{"prompt": m["prompt"], "response": r, "reward": float(s),

@@ -124,6 +124,7 @@ RANGES: dict[str, Range] = {
     "checkpoint.keep_last": COUNT,
     "logging.log_every": COUNT,
     "logging.samples_every": Range(low=0, fix="0 turns sample logs off"),
+    "logging.samples_per_step": Range(low=0, fix="0 writes every sample of the step"),
     "launch.nodes": COUNT,
     "launch.gpus_per_node": COUNT,
     "launch.cpus_per_node": Range(low=0, fix="0 takes the cluster's default"),

@@ -453,6 +453,9 @@ class LoggingConfig:
     """Console summary every N steps."""
     samples_every: int = 5
     """Write sample rollouts every N steps; 0 disables."""
+    samples_per_step: int = 8
+    """Samples written for each such step (the first ones of its batch); 0: all of them,
+    which with ``samples_every: 1`` records every prompt each step trained on."""
     progress_bar: bool = True
     """Show a progress bar (step, rate, ETA)."""
 
