@@ -375,6 +375,14 @@ class VLLMEngine(RolloutEngine):
             self._call("a weight update (abort)", vllm_host.end_weight_update,
                        "the sync failed on the trainer's side or in another engine")
 
+    def weight_checksums(self) -> list[dict[str, str]]:
+        """vLLM's own digest (sha256 of the bytes) of every parameter of each worker, keyed
+        ``dp{d}:pp{p}:pcp{c}:tp{t}:{name}`` (``compute_weight_checksums``). On CPU the linear
+        weights are repacked for the CPU kernels and their parameters are empty, so only
+        embeddings, norms, biases and a separate head are meaningful there."""
+        return self._call("compute_weight_checksums", vllm_host.collective_rpc,
+                          "compute_weight_checksums", ())
+
     def recorded_version(self) -> str:
         """The weight version vLLM records for what it generates now."""
         return self._call("get_weight_version", vllm_host.weight_version)

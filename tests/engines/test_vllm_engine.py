@@ -159,6 +159,20 @@ def test_weights_reach_the_workers_through_vllms_weight_transfer_backend_of_ours
     assert report["mode"] == "direct" and report["error"] is None and report["seconds"] > 0
 
 
+def test_vllms_own_checksums_of_the_plain_weights_are_those_of_the_tensors_sent(
+        engine, dirs, original_weights):
+    import hashlib
+
+    tensors = load_file(f"{dirs[1]}/model.safetensors")
+    engine.update_weights(tensors.items(), version=4, bucket_mb=0.05)
+    (digests,) = engine.weight_checksums()
+    plain = [n for n in tensors if "norm" in n]  # kept as they are (not repacked on CPU)
+    assert plain
+    for name in plain:
+        want = hashlib.sha256(tensors[name].contiguous().view(-1).view(torch.uint8).numpy())
+        assert digests[f"dp0:pp0:pcp0:tp0:{name}"] == want.hexdigest(), name
+
+
 def test_registering_the_backend_twice_is_harmless():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
