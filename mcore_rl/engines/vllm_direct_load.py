@@ -2,7 +2,7 @@
 
 vLLM's own reload (``initialize_layerwise_reload``: every layer back on the meta device,
 fresh tensors materialised as a layer's weights arrive, loaded, processed, copied back)
-is general, and `ReshardWorkerExtension` falls back to it, but for the models mcore-rl
+is general, and `mcore_rl.engines.vllm_transfer.MappedFileEngine` falls back to it, but for the models mcore-rl
 trains much of its work is bookkeeping. Loading SmolLM2-135M (fp32, CPU) through it took
 ~0.45 s per sync, of which the CPU backend repacking each linear weight for its GEMM (which
 any load pays) is ~0.17 s and the bucket checksums ~0.08 s; `DirectLoad` takes ~0.21 s.

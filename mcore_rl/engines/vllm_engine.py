@@ -3,8 +3,9 @@
 The engine runs in processes of its own (see `mcore_rl.engines.placement`): on CPU at TP1
 one host process of ours with vLLM's engine core and worker inside it
 (`mcore_rl.engines.vllm_host`); otherwise vLLM's engine core, and with engine TP > 1 one
-worker process per TP rank (``mp`` executor). Weight updates are ``collective_rpc`` calls
-into `ReshardWorkerExtension`, carrying only paths and manifests. Log-probs are vLLM's
+worker process per TP rank (``mp`` executor). Weight updates go through vLLM's
+weight-transfer protocol, whose receiving side in every worker is mcore-rl's backend
+(`mcore_rl.engines.vllm_transfer`), carrying only paths and manifests. Log-probs are vLLM's
 ``processed_logprobs``: log_softmax of the logits after temperature (and after top-k/top-p,
 which are off by default), i.e. mcore-rl's convention.
 

@@ -25,7 +25,8 @@ vLLM's worker processes find the backend through the ``vllm.general_plugins`` en
 that ``setup.py`` declares (`register`; loading it twice is harmless): the registry lives in
 each process, and on CPU vLLM spawns its workers.
 
-No method raises: an error is kept and reported by `ReshardWorkerExtension` (``report``), and
+No method raises: an error is kept and reported through the worker extension
+(`mcore_rl.engines.vllm_worker`, ``mcore_rl_transfer_report``), and
 the rest of the session loads nothing. When one of several worker processes raises inside a
 collective call, vLLM's multi-process executor stops reading the other workers' replies and
 every later call would read leftover answers. The client reads the report after each call
