@@ -277,12 +277,26 @@ def _fresh(hf_dir: str, layout: str, bucket_mb: float, repeats: int, what: list[
                          warmup, transport)[0]
 
 
+def _training_batch(vocab_size: int, g: torch.Generator):
+    """A batch of 4 random sequences of 64 tokens (16 of prompt) and a plain policy-gradient
+    loss over its responses: a real optimizer step's inputs for the trainer benchmarks."""
+    from mcore_rl.data.batch import Batch
+
+    batch = Batch.from_sequences(torch.randint(3, vocab_size, (4, 64), generator=g).tolist(),
+                                 prompt_lens=[16] * 4)
+
+    def loss(outputs, mb):
+        mask = mb["response_mask"].float()
+        return -(outputs["logprobs"] * mask).sum(), mask.sum(), {}
+
+    return batch, loss
+
+
 # ----- placement: the engine in processes of its own vs inside the trainer process ---------
 def _placement(rank, world_size, hf_dir: str, in_process: bool, bucket_mb: float) -> dict:
     """Start the engine beside a TP1 trainer (own processes, or inside this trainer process)
     and time: start, generation, one sync, and a trainer step before and after the start."""
     from mcore_rl.config import OptimizerConfig
-    from mcore_rl.data.batch import Batch
     from mcore_rl.engines import SamplingConfig
     from mcore_rl.engines.vllm_engine import VLLMEngine
     from mcore_rl.models.provider import build_model
@@ -295,12 +309,7 @@ def _placement(rank, world_size, hf_dir: str, in_process: bool, bucket_mb: float
     arch = built.spec.arch
     train = build_engine(built.chunks, ctx, vocab_size=arch.vocab_size, optim=OptimizerConfig())
     g = torch.Generator().manual_seed(0)
-    batch = Batch.from_sequences(torch.randint(3, arch.vocab_size, (4, 64), generator=g).tolist(),
-                                 prompt_lens=[16] * 4)
-
-    def loss(outputs, mb):
-        mask = mb["response_mask"].float()
-        return -(outputs["logprobs"] * mask).sum(), mask.sum(), {}
+    batch, loss = _training_batch(arch.vocab_size, g)
 
     def step_s() -> float:
         train.train_batch(batch, loss)
@@ -363,7 +372,6 @@ def _delta(rank, world_size, hf_dir: str, bucket_mb: float, steps: int, lr: floa
     random tokens): one sync relaying deltas, then one relaying every word of the same
     weights (``full_every=2``). Per sync: bytes relayed, transfer and whole sync seconds."""
     from mcore_rl.config import OptimizerConfig
-    from mcore_rl.data.batch import Batch
     from mcore_rl.engines.vllm_engine import VLLMEngine
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
@@ -376,12 +384,7 @@ def _delta(rank, world_size, hf_dir: str, bucket_mb: float, steps: int, lr: floa
     train = build_engine(built.chunks, ctx, vocab_size=arch.vocab_size,
                          optim=OptimizerConfig(lr=lr))
     g = torch.Generator().manual_seed(0)
-    batch = Batch.from_sequences(torch.randint(3, arch.vocab_size, (4, 64), generator=g).tolist(),
-                                 prompt_lens=[16] * 4)
-
-    def loss(outputs, mb):
-        mask = mb["response_mask"].float()
-        return -(outputs["logprobs"] * mask).sum(), mask.sum(), {}
+    batch, loss = _training_batch(arch.vocab_size, g)
 
     engine = VLLMEngine(hf_dir, tp=1, max_model_len=256) if rank == 0 else None
     rows = {"delta": [], "full": []}
