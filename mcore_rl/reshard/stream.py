@@ -220,19 +220,8 @@ class WeightSync:
         """Write bucket k, hand it to the loader (or hold it for the one call at the end);
         returns the (controller's) pending load."""
         t0 = time.perf_counter()
-        mine, failure = {}, None
         version = session.version
-        try:
-            if k == 0:
-                self.channel.check_sources()
-            mine = self.writer.write(k, views, self.channel.copies)
-        except Exception as err:  # noqa: BLE001 - reported through the controller
-            failure = f"rank {self.rank} writing bucket {k + 1}: {err!r}"
-        try:  # even after a failure: nobody waits for a missing piece
-            self.channel.deliver(k)
-        except Exception as err:  # noqa: BLE001
-            failure = failure or f"rank {self.rank} delivering bucket {k + 1}: {err!r}"
-        gathered = gather_to((mine, failure), self.controller, self.group)
+        gathered = self.write_bucket(k, views)
         error = None
         if self.rank == self.controller:
             stats.transfer_s += time.perf_counter() - t0
@@ -261,6 +250,23 @@ class WeightSync:
                         loading = None
         self._verdict(error)
         return loading
+
+    def write_bucket(self, k: int, views: dict) -> list | None:
+        """Every rank writes and delivers its pieces of bucket k (collective); on the
+        controller, each rank's (checksums by piece, failure or None), else None. A rank that
+        fails still delivers, so nobody waits for a missing piece."""
+        mine, failure = {}, None
+        try:
+            if k == 0:
+                self.channel.check_sources()
+            mine = self.writer.write(k, views, self.channel.copies)
+        except Exception as err:  # noqa: BLE001 - reported through the controller
+            failure = f"rank {self.rank} writing bucket {k + 1}: {err!r}"
+        try:
+            self.channel.deliver(k)
+        except Exception as err:  # noqa: BLE001
+            failure = failure or f"rank {self.rank} delivering bucket {k + 1}: {err!r}"
+        return gather_to((mine, failure), self.controller, self.group)
 
     def _wait(self, loading: Future | None, version: int, bucket: int | None,
               stats: SyncStats) -> str | None:

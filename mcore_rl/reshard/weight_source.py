@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from mcore_rl.parallel.agreement import backend_device, broadcast_verdict, gather_to
+from mcore_rl.parallel.agreement import backend_device, broadcast_verdict
 from mcore_rl.wire import WeightSyncError, check_manifest, read_tensors
 
 
@@ -42,18 +42,7 @@ def bucket_tensors(sync, version: int = 0) -> Iterator[tuple[str, torch.Tensor |
     is_controller = sync.rank == sync.controller
     views = sync.local_views()
     for k, bucket in enumerate(plan.buckets):
-        mine, failure = {}, None
-        try:
-            if k == 0:
-                channel.check_sources()
-            mine = sync.writer.write(k, views, channel.copies)
-        except Exception as err:  # noqa: BLE001 - reported through the controller
-            failure = f"rank {sync.rank} writing bucket {k + 1}: {err!r}"
-        try:  # even after a failure: nobody waits for a missing piece
-            channel.deliver(k)
-        except Exception as err:  # noqa: BLE001
-            failure = failure or f"rank {sync.rank} delivering bucket {k + 1}: {err!r}"
-        gathered = gather_to((mine, failure), sync.controller, sync.group)
+        gathered = sync.write_bucket(k, views)
         error, tensors = None, []
         if is_controller:
             failures = [f for _, f in gathered if f]
