@@ -58,6 +58,9 @@ class SbatchRequest:
     """Job name shown by squeue."""
     signal_lead_s: int = 300
     """USR1 to the batch shell this many seconds before the time limit."""
+    ray_reconnect_timeout_s: int = 5
+    """How long every Ray process of the job retries a GCS that is gone
+    (``launch.ray_reconnect_timeout_s``)."""
 
     @property
     def log_path(self) -> str:
@@ -106,6 +109,7 @@ def render_sbatch(req: SbatchRequest) -> str:
         directives="\n".join(sbatch_directives(req)), python=shlex.quote(req.python),
         run_dir=shlex.quote(req.run_dir), threads_per_rank=req.threads_per_rank,
         backend_env=_backend_env(req), srun_extra=srun_extra, ray_resources=ray_resources,
+        ray_reconnect_timeout_s=req.ray_reconnect_timeout_s,
         driver_args=shlex.join(req.driver))
 
 

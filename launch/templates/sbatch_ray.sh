@@ -30,6 +30,8 @@ trap request_stop USR1 TERM
 export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-@{threads_per_rank}}"
 export RAY_DEDUP_LOGS=0
+# How long Ray's processes retry a dead GCS before they give up (Ray's default: 60 s).
+export RAY_gcs_rpc_server_reconnect_timeout_s="${RAY_gcs_rpc_server_reconnect_timeout_s:-@{ray_reconnect_timeout_s}}"
 # Ray's token authentication, with a token of this job's own that every node and the driver
 # inherit (srun passes the environment on).
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"

@@ -79,7 +79,8 @@ class RLTrainer:
 
         ray = ray_shim.require()
         if not ray.is_initialized():
-            self._stop_ray = ray_shim.start_local(address=address, include_dashboard=False,
+            self._stop_ray = ray_shim.start_local(self.cfg.launch.ray_reconnect_timeout_s,
+                                                  address=address, include_dashboard=False,
                                                   log_to_driver=True)
         try:
             with initial_model_removed_on_failure(self.cfg, _DRIVER):

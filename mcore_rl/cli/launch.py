@@ -79,7 +79,8 @@ def build_request(args):
         partition=args.partition if args.partition is not None else launch.partition,
         time=args.time or launch.time,
         account=args.account if args.account is not None else launch.account,
-        job_name=launch.job_name, signal_lead_s=launch.signal_lead_s)
+        job_name=launch.job_name, signal_lead_s=launch.signal_lead_s,
+        ray_reconnect_timeout_s=launch.ray_reconnect_timeout_s)
     return req, what
 
 

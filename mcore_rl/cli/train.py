@@ -82,8 +82,9 @@ def run(args) -> int:
 
 def run_checked(cfg: RLConfig) -> int:
     """Launch a checked config's job; the process's exit status."""
-    from mcore_rl.engines.liveness import EngineDiedError
-    from mcore_rl.flow import FlowError, ray_shim
+    from mcore_rl.cli.failures import end_on_head_death, error_line
+    from mcore_rl.engines.liveness import EngineDiedError, watch_owner
+    from mcore_rl.flow import FlowError, ray_head, ray_shim
     from mcore_rl.launch.stop_signal import STOP_FILE_ENV, StopRequested, StopSignal, stop_exit_code
     from mcore_rl.roles.graph import run_job
 
@@ -99,38 +100,45 @@ def run_checked(cfg: RLConfig) -> int:
         os.close(fd)
         os.unlink(name)
         stop_file = private = Path(name)
+    watch_owner()  # the run's processes, Ray's included, end with this one however it ends
     stop_ray = None
     if not ray_shim.require().is_initialized():
-        stop_ray = ray_shim.start_local(include_dashboard=False, logging_level=logging.WARNING)
+        stop_ray = ray_shim.start_local(cfg.launch.ray_reconnect_timeout_s,
+                                        include_dashboard=False, logging_level=logging.WARNING)
+    ray_head.quiet_death_notices()
+    head_watch = ray_head.watch_head(end_on_head_death(cfg.logging.dir))
     forwarding = StopForwarding(stop_file).install()  # after ray.init, which sets its own
     print(f"mcore-rl: {describe(cfg)} on Ray", flush=True)
     # Ranks print their step lines through Ray's log forwarding, which has no use for a
     # progress bar's carriage returns.
     cfg = replace(cfg, logging=replace(cfg.logging, progress_bar=False))
+    code, last, to = 0, None, sys.stderr
     try:
         run_job(cfg, stop=StopSignal(stop_file=stop_file, signals=()))
     except FlowError as err:
         cause = err.cause
         if isinstance(cause, StopRequested):
-            print(f"mcore-rl: stopped on request after step {cause.step}; checkpoint "
-                  f"{cause.checkpoint}; resume by running the same command again", flush=True)
-            return stop_exit_code()
-        if isinstance(cause, UsageError):
-            print(f"mcore-rl train: error: {cause}", file=sys.stderr, flush=True)
-            return 2
-        if isinstance(cause, EngineDiedError):
-            print(f"mcore-rl train: error: {cause}", file=sys.stderr, flush=True)
-            return 1
-        print(f"mcore-rl train: error: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
-        return 1
+            code, to = stop_exit_code(), sys.stdout
+            last = (f"mcore-rl: stopped on request after step {cause.step}; checkpoint "
+                    f"{cause.checkpoint}; resume by running the same command again")
+        elif isinstance(cause, UsageError):
+            code, last = 2, f"mcore-rl train: error: {cause}"
+        elif isinstance(cause, EngineDiedError):
+            code, last = 1, f"mcore-rl train: error: {cause}"
+        else:
+            code = 1
+            last = error_line(str(err).splitlines()[0], cfg.logging.dir, str(err))
     finally:
+        head_watch.set()  # Ray is shut down on purpose from here on
         forwarding.uninstall()
         if stop_ray is not None:
             stop_ray()
         if private is not None:
             private.unlink(missing_ok=True)
             private.with_name(private.name + ".saved").unlink(missing_ok=True)
-    return 0
+    if last is not None:  # after Ray is down: nothing of its shutdown prints below it
+        print(last, file=to, flush=True)
+    return code
 
 
 ON_RAY = ("mcore-rl launch slurm CONFIG --nodes N --gpus-per-node G (Ray on the allocation), "

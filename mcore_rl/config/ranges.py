@@ -130,6 +130,7 @@ RANGES: dict[str, Range] = {
     "launch.cpus_per_node": Range(low=0, fix="0 takes the cluster's default"),
     "launch.signal_lead_s": NON_NEGATIVE,
     "launch.preflight_timeout_s": COUNT,
+    "launch.ray_reconnect_timeout_s": COUNT,
     "train.steps": NON_NEGATIVE,
     "train.val_every": Range(low=0, fix="0 turns validation off"),
     "train.warm_start_steps": NON_NEGATIVE,

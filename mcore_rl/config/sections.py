@@ -114,6 +114,11 @@ class RolloutConfig:
     each pinned to its own cores, on GPUs given ``engine_tp`` GPUs of its own, or of the
     trainer's when colocated). One weight sync reaches all of them; a step's prompt groups
     go to whichever replica takes them first, i.e. by load, under every schedule."""
+    on_replica_failure: Literal["stop", "continue"] = "stop"
+    """A replica whose engine or rollout process dies. stop: the run ends, in one line
+    naming it. continue (``replicas`` >= 2): a line says so, the prompt groups it had taken
+    and not handed on go to the other replicas, the weight syncs skip it, and the run goes
+    on (``rollout/replicas_alive``) until no replica is left."""
     partial_rollout: Literal["continue", "abort"] = "continue"
     """``train.schedule: async``: a response still being generated when new weights reach
     the engine. continue: its tokens so far are kept and it goes on under the new weights
@@ -485,6 +490,10 @@ class LaunchConfig:
     preflight_timeout_s: int = 300
     """Seconds each rank waits for all others in the start-up collective before it fails,
     naming its node and rank."""
+    ray_reconnect_timeout_s: int = 5
+    """Seconds Ray's processes (the driver, every node's raylet and workers) retry a GCS
+    that is gone before they give up (Ray's own default is 60): with the driver's watch of
+    the head (`mcore_rl.flow.ray_head`), the longest a run outlives its Ray head."""
 
 
 @dataclass

@@ -109,8 +109,9 @@ def _zombie_status(pid: int) -> int | None:
     return int(fields[49])
 
 
-def _describe_exit(code: int) -> str:
-    """A `multiprocessing` exit code: negative for the signal that killed the process."""
+def describe_exit(code: int) -> str:
+    """An exit status as `subprocess` and `multiprocessing` give it: negative for the signal
+    that killed the process."""
     if code < 0:
         return f"killed by signal {-code} ({signal.Signals(-code).name})"
     return f"exited with code {code}"
@@ -170,7 +171,7 @@ class EngineProcesses:
                 self._noted[pid].wait(timeout=3.0)  # our child: its exit status is a moment away
             code = self.exit_codes.get(pid)
             how = ("is stopped" if state == "stopped"
-                   else _describe_exit(code) if code is not None else "is gone")
+                   else describe_exit(code) if code is not None else "is gone")
             self.ended = f"{self.labels.get(pid, 'an engine process')} (pid {pid}) {how}"
             return self.ended
         return None

@@ -14,6 +14,11 @@ import sys
 
 import psutil
 
+LIST_EVERY_S = 1.0
+"""How often the owner's descendants are listed."""
+KILL_WAIT_S = 5.0
+"""How long the watcher waits for the processes it killed to end."""
+
 
 def descendants(owner: psutil.Process) -> dict[int, float]:
     """PID -> start time of the owner's descendants (this watcher excluded)."""
@@ -40,7 +45,7 @@ def kill_all(known: dict[int, float]) -> None:
     kill_and_wait(procs)
 
 
-def kill_and_wait(procs: list[psutil.Process], timeout_s: float = 5.0) -> None:
+def kill_and_wait(procs: list[psutil.Process], timeout_s: float = KILL_WAIT_S) -> None:
     """SIGKILL each of ``procs`` (those already gone are skipped) and wait for them to end."""
     for proc in procs:
         try:
@@ -57,7 +62,7 @@ def main(owner_pid: int) -> None:
         return
     known: dict[int, float] = {}
     while True:
-        ready, _, _ = select.select([sys.stdin], [], [], 1.0)
+        ready, _, _ = select.select([sys.stdin], [], [], LIST_EVERY_S)
         if ready and not os.read(sys.stdin.fileno(), 4096):
             break  # the owner is gone: its end of the pipe closed
         try:

@@ -32,7 +32,8 @@ at a time (and hold no turn while they wait on a stream). On a Ray cluster with 
 the launch with a `FlowError` naming the role and instance, and kills every process.
 """
 from mcore_rl.flow.entries import Many
-from mcore_rl.flow.graph import Controller, ControllerGroup, DataStream, Factory, GPUs, factory
+from mcore_rl.flow.graph import (Controller, ControllerGroup, DataStream, Factory, GPUs,
+                                 Replaceable, factory)
 from mcore_rl.flow.launch import FlowError, RunningGraph, launch, start
 from mcore_rl.flow.megatron import Megatron, rank_context
 from mcore_rl.flow.services import Remote, finish_launch, lookup, publish
@@ -40,6 +41,6 @@ from mcore_rl.flow.stats import ControllerStats, FlowStats
 from mcore_rl.flow.strategies import STRATEGIES
 
 __all__ = ["DataStream", "Controller", "ControllerGroup", "Factory", "factory", "launch", "Many",
-           "GPUs", "start", "RunningGraph",
+           "GPUs", "Replaceable", "start", "RunningGraph",
            "FlowError", "FlowStats", "ControllerStats", "STRATEGIES", "Megatron", "rank_context",
            "publish", "lookup", "finish_launch", "Remote"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from mcore_rl.errors import UsageError
 from mcore_rl.registry import import_by_path
@@ -107,6 +107,10 @@ class Controller:
     input items (merged as ``batch_items`` says), and yields its outputs when they are
     ready: it may hold several inputs in flight and emit them in another order
     (continuous batching). Strategy ``process`` only."""
+    replaceable: "Replaceable | None" = None
+    """The instances of this role stand in for each other (`Replaceable`): when one fails,
+    the launch goes on with the others and its unfinished items go to them. None: its
+    failure ends the launch."""
 
     def __post_init__(self) -> None:
         if not self.role:
@@ -147,6 +151,11 @@ class Controller:
                              "that role's devices; drop num_workers, streaming and devices")
         if self.data_input is not None and self.data_input is self.data_output:
             raise UsageError(f"controller '{self.role}' reads and writes the same stream")
+        if self.replaceable is not None and (self.data_input is not None or self.data is not None
+                                             or self.fused_with is not None or self.is_sink):
+            raise UsageError(f"controller '{self.role}' is replaceable: it reads the launch's "
+                             "fed data (no data_input, no data of its own), is not fused and "
+                             "has a data_output")
 
     @property
     def is_source(self) -> bool:
@@ -159,6 +168,19 @@ class Controller:
     @property
     def is_sink(self) -> bool:
         return self.data_output is None
+
+
+@dataclass(frozen=True)
+class Replaceable:
+    """How the launch tells which items a failed instance had not finished: each fed item's
+    key (``item_key(item)``, computed by the driver as it feeds), and the keys of the items
+    an output finishes (``output_keys(output)``; an output that is a `Many` of several).
+    Both must be picklable (module-level functions). The role reads the launch's fed data;
+    when an instance fails, a line says so, its unfinished items go back to the front of
+    the feed for the other instances, and the launch fails only once none is left."""
+
+    item_key: Callable[[Any], Hashable]
+    output_keys: Callable[[Any], list]
 
 
 class ControllerGroup:

@@ -3,6 +3,7 @@
 (`step_accounting`) and the directory of published objects (`services`)."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from mcore_rl.flow.device_turns import DeviceTurns
@@ -21,11 +22,29 @@ class Hub:
         self.services: dict[str, list] = {}
         """name -> [the actor handle of the process that published it] (`flow.publish`)."""
 
-    async def put(self, stream: str, box: list) -> bool:
-        return await self.streams[stream].put(box)
+    async def put(self, stream: str, box: list, key=None, acks: tuple | None = None) -> bool:
+        """Put ``box`` (named ``key``); ``acks``: (input stream, holder, keys) the holder is
+        done with once the put succeeded, in the same step (a holder that dies after it
+        has neither lost those items nor put them twice)."""
+        if acks is None:
+            return await self.streams[stream].put(box, key)
+        source, holder, keys = acks
+        gone = self.streams[source].gone  # its items went back to the feed: do not put twice
+        accepted = await self.streams[stream].put(box, key, abort=lambda: holder in gone)
+        if accepted:
+            await self.streams[source].ack(holder, keys)
+        return accepted
 
-    async def get(self, stream: str, max_items: int) -> tuple[list, str]:
-        return await self.streams[stream].get(max_items)
+    async def get(self, stream: str, max_items: int, holder: str | None = None) -> tuple[list, str]:
+        return await self.streams[stream].get(max_items, holder)
+
+    async def let_go(self, stream: str, holder: str) -> None:
+        """``holder`` ended: the others' gets may see the end of ``stream``."""
+        await self.streams[stream].let_go(holder)
+
+    async def requeue(self, stream: str, holder: str) -> int:
+        """What a failed ``holder`` took from ``stream`` and did not finish, back in it."""
+        return await self.streams[stream].requeue(holder)
 
     async def cancelled(self, stream: str) -> bool:
         """Whether the launch has cancelled ``stream`` (a consumer asks before it calls on
@@ -70,3 +89,6 @@ class Hub:
 
     async def ping(self) -> Any:
         return True
+
+    async def pid(self) -> int:
+        return os.getpid()

@@ -101,6 +101,8 @@ class ItemLoop:
                 continue
             if not self._put(result, items):
                 break
+        if spec.replaceable is not None:  # done: nothing it took goes back to the feed
+            ray_shim.require().get(hub.let_go.remote(spec.input, spec.name))
         if spec.output is not None and hub is not None:
             ray_shim.require().get(hub.close.remote(spec.output))
         self.stats.wall_s = time.perf_counter() - start
@@ -122,7 +124,10 @@ class ItemLoop:
         whether the stream took it (False once the launch is cancelled)."""
         ray = ray_shim.require()
         t = time.perf_counter()
-        accepted = ray.get(self.hub.put.remote(self.spec.output, [ray.put(result)]))
+        spec = self.spec
+        acks = None if spec.replaceable is None else \
+            (spec.input, spec.name, list(spec.replaceable.output_keys(result)))
+        accepted = ray.get(self.hub.put.remote(spec.output, [ray.put(result)], None, acks))
         self.stats.blocked_out_s += time.perf_counter() - t
         self.stats.items_out += items if accepted else 0
         self.stats.puts += int(accepted)
@@ -237,6 +242,7 @@ class ItemLoop:
         launch has not been cancelled."""
         ray = ray_shim.require()
         hub, k = self.hub, self.spec.batch_items
+        holder = self.spec.name if self.spec.replaceable is not None else None
         group: list = []
         taken: list = []  # items of the entries taken, not yet in a call's input
         state, fetched = OPEN, False
@@ -245,7 +251,7 @@ class ItemLoop:
                 if state != OPEN:
                     break
                 t = time.perf_counter()
-                boxes, state = ray.get(hub.get.remote(self.spec.input, k - len(group)))
+                boxes, state = ray.get(hub.get.remote(self.spec.input, k - len(group), holder))
                 values = ray.get([box[0] for box in boxes]) if boxes else []
                 if boxes:  # the get and the fetch of what it returned (not the end's get)
                     self._waited(2)

@@ -12,9 +12,11 @@ exception or a dead process, ends the launch at once: every actor is killed with
 processes it started, and `FlowError` names the instance."""
 from __future__ import annotations
 
+import re
+import sys
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from mcore_rl.errors import UsageError
 from mcore_rl.flow import ray_shim
@@ -49,7 +51,8 @@ class FlowError(RuntimeError):
 
 def launch(group: ControllerGroup, num_epochs: int | None = None, data: Iterable[Any] | None = None,
            *, steps: int | None = None, address: str | None = None,
-           feed_buffer: int | None = None, max_in_flight: int | None = None) -> FlowStats:
+           feed_buffer: int | None = None, max_in_flight: int | None = None,
+           on_started: Callable[[dict[str, list[int]]], None] | None = None) -> FlowStats:
     """Run ``group`` to the end and return its stats.
 
     ``launch(group, num_epochs)``: the sources read their own ``data`` (`Controller.data`)
@@ -76,9 +79,9 @@ def launch(group: ControllerGroup, num_epochs: int | None = None, data: Iterable
     plan = build_plan(group, data is not None, steps, feed_buffer, max_in_flight)
     _check_strategies(plan)
     if ray.is_initialized():
-        return _Launch(plan, steps, max_in_flight).execute(data, num_epochs)
+        return _Launch(plan, steps, max_in_flight).execute(data, num_epochs, on_started)
     with ray_shim.local_ray(address=address, include_dashboard=False):
-        return _Launch(plan, steps, max_in_flight).execute(data, num_epochs)
+        return _Launch(plan, steps, max_in_flight).execute(data, num_epochs, on_started)
 
 
 def start(group: ControllerGroup) -> "RunningGraph":
@@ -162,10 +165,15 @@ class _Launch:
         self.ray = ray_shim.require()
         self.plan, self.steps, self.max_in_flight = plan, steps, max_in_flight
         self.hub: Any = None
+        self.hub_pid: int | None = None
         self.actors: list = []
         self.reservation: Any = None
         self.places: list[list[tuple[str, int]]] = []
         """(node id, pid) of every process of each instance, for the teardown."""
+        self.lost: set[int] = set()
+        """Instances that failed and were replaced by the others of their role."""
+        self.requeued = 0
+        """Items the lost instances had taken and not finished, fed again."""
         self.stopping = threading.Event()
         self.feed_error: BaseException | None = None
         self.feeder: threading.Thread | None = None
@@ -174,10 +182,32 @@ class _Launch:
     def processes(self) -> list[tuple[str, int]]:
         return [p for ps in self.places for p in ps]
 
-    def execute(self, data: Iterable[Any] | None, num_epochs: int | None) -> FlowStats:
+    def process_map(self) -> dict[str, list[int]]:
+        """Which process is which: ``{"hub": [pid], "<role>#<index>": [the controller's pid,
+        then those it started (a worker group's ranks in rank order)]}``."""
+        out = {"hub": [self.hub_pid]} if self.hub_pid is not None else {}
+        for spec, places in zip(self.plan.instances, self.places):
+            out[f"{spec.role}#{spec.index}"] = [pid for _, pid in places]
+        return out
+
+    def _names(self) -> dict[int, str]:
+        """pid -> how a failure names that process."""
+        names = {self.hub_pid: "the stream hub"} if self.hub_pid is not None else {}
+        for spec, places in zip(self.plan.instances, self.places):
+            pids = [pid for _, pid in places]
+            if pids:
+                names[pids[0]] = f"controller {spec.name}"
+            for rank, pid in enumerate(pids[1:]):
+                names[pid] = f"rank {rank} of controller {spec.name}"
+        return names
+
+    def execute(self, data: Iterable[Any] | None, num_epochs: int | None,
+                on_started: Callable[[dict[str, list[int]]], None] | None = None) -> FlowStats:
         start = time.perf_counter()
         try:
             self.start_actors()
+            if on_started is not None:
+                on_started(self.process_map())
             if data is not None:
                 self.feeder = threading.Thread(target=self._feed, args=(data, num_epochs),
                                                daemon=True, name="flow-feeder")
@@ -187,7 +217,10 @@ class _Launch:
         finally:
             self.teardown()
         sinks = {s.role for s in self.plan.instances if s.output is None}
-        return FlowStats.collect(stats, sinks, time.perf_counter() - start)
+        result = FlowStats.collect(stats, sinks, time.perf_counter() - start)
+        result.lost = [self.plan.instances[i].name for i in sorted(self.lost)]
+        result.requeued = self.requeued
+        return result
 
     def start_actors(self) -> None:
         """The hub, every instance's actor (in its GPU bundle, if any), its function built."""
@@ -203,8 +236,17 @@ class _Launch:
             self.actors.append(controller.options(max_concurrency=4, **options).remote(
                 spec, self.hub, placements, more))
         self.places = [[place] for place in self.wait_all("where")]
+        self.hub_pid = self.wait_hub(self.hub.pid.remote())
         for mine, started in zip(self.places, self.wait_all("setup")):
             mine += started
+
+    def wait_hub(self, ref: Any) -> Any:
+        """``ray.get`` of a call of the hub, its death as a `FlowError`."""
+        try:
+            return self.ray.get(ref)
+        except Exception as err:  # noqa: BLE001 - Ray raises several kinds
+            raise FlowError(f"the stream hub failed: {_describe(err)}", "hub", 0,
+                            type(err).__name__) from None
 
     def _reserve_gpus(self) -> dict[int, tuple[dict, list[dict] | None, list[dict] | None]]:
         """Placement groups for the instances with `GPUs`: per instance, the options of its
@@ -233,14 +275,15 @@ class _Launch:
         try:
             return ray_shim.get_all([ref])[0]
         except Exception as err:  # noqa: BLE001 - every failure names its instance
-            raise _failure(self.plan.instances[i], phase, err) from None
+            raise _failure(self.plan.instances[i], phase, err, self._names()) from None
 
     def wait_all(self, method: str, *args: Any) -> list:
         """``method`` called on every instance; the results in instance order, or the
         first failure (or a failure of the data feeder) as a `FlowError`."""
         ray = self.ray
-        refs = {getattr(a, method).remote(*args): i for i, a in enumerate(self.actors)}
-        results: dict[int, Any] = {}
+        refs = {getattr(a, method).remote(*args): i for i, a in enumerate(self.actors)
+                if i not in self.lost}
+        results: dict[int, Any] = {i: [] for i in self.lost}
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S, fetch_local=False)
@@ -252,8 +295,40 @@ class _Launch:
                 try:
                     results[refs[ref]] = ray.get(ref)
                 except Exception as err:  # noqa: BLE001 - every failure names its instance
-                    raise _failure(spec, _PHASES[method], err) from None
+                    failure = _failure(spec, _PHASES[method], err, self._names())
+                    if method != "run" or not self.replace(refs[ref], failure):
+                        raise failure from None
+                    results[refs[ref]] = []
         return [results[i] for i in range(len(self.actors))]
+
+    def replace(self, i: int, failure: FlowError) -> bool:
+        """Instance ``i`` failed while running: when its role is `Replaceable` and another
+        instance of it is alive, end its processes, give what it had not finished back to
+        the feed and go on (True); else False (the launch fails, naming the last one)."""
+        spec = self.plan.instances[i]
+        if spec.replaceable is None:
+            return False
+        peers = [j for j, s in enumerate(self.plan.instances) if s.role == spec.role]
+        alive = [j for j in peers if j != i and j not in self.lost]
+        first = str(failure).splitlines()[0]
+        if not alive:
+            if len(peers) > 1:
+                failure.args = (f"{first}; no other instance of '{spec.role}' is left"
+                                + str(failure)[len(first):],)
+            return False
+        self.lost.add(i)
+        print(f"mcore-rl: {first}; going on with {len(alive)} of {len(peers)} '{spec.role}' "
+              "instances", file=sys.stderr, flush=True)
+        self.ray.kill(self.actors[i], no_restart=True)
+        here = ray_shim.node_id()
+        for node, pid in self.places[i]:
+            if node == here:
+                kill_process_group(pid)
+        requeued = self.ray.get(self.hub.requeue.remote(spec.input, spec.name))
+        if spec.output is not None:
+            self.ray.get(self.hub.close.remote(spec.output))  # it never will
+        self.requeued += requeued
+        return True
 
     def _feed(self, data: Iterable[Any], num_epochs: int | None) -> None:
         """Put ``data`` into the sources' stream, at most ``max_in_flight`` items ahead of
@@ -265,13 +340,16 @@ class _Launch:
         try:
             epoch, one_shot, total, chunk = 0, iter(data) is data, 0, []
             admitted = self.max_in_flight  # items the launch may have fed so far
-            per_entry = feed_entry_items(self.max_in_flight,
-                                         sum(s.input == FEED for s in self.plan.instances))
+            keyed = next((s.replaceable for s in self.plan.instances
+                          if s.input == FEED and s.replaceable is not None), None)
+            per_entry = 1 if keyed is not None else feed_entry_items(
+                self.max_in_flight, sum(s.input == FEED for s in self.plan.instances))
 
             def put(items: list) -> bool:
                 nonlocal total
+                key = keyed.item_key(items[0]) if keyed is not None else None  # one item each
                 if self.stopping.is_set() or \
-                        not ray.get(self.hub.put.remote(FEED, [ray.put(pack(items))])):
+                        not ray.get(self.hub.put.remote(FEED, [ray.put(pack(items))], key)):
                     return False
                 total += len(items)
                 items.clear()
@@ -333,8 +411,24 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _failure(spec: InstanceSpec, phase: str, err: Exception) -> FlowError:
-    """The `FlowError` for ``spec`` from what ``ray.get`` of one of its calls raised."""
+_PID = re.compile(r"^\s*pid: (\d+)\s*$", re.MULTILINE)
+
+
+def _dead(err: BaseException, names: dict[int, str]) -> str:
+    """Which process a Ray actor error says died: its name in the launch and pid
+    (``names``), or its pid alone; empty when the error names none."""
+    found = _PID.search(str(err))
+    if found is None:
+        return ""
+    pid = int(found.group(1))
+    return f"{names[pid]} (pid {pid})" if pid in names else f"process {pid}"
+
+
+def _failure(spec: InstanceSpec, phase: str, err: Exception,
+             names: dict[int, str] | None = None) -> FlowError:
+    """The `FlowError` for ``spec`` from what ``ray.get`` of one of its calls raised;
+    ``names`` (pid -> name) names a process it depended on that died."""
+    names = names or {}
     exceptions = ray_shim.require().exceptions
     original = None
     if isinstance(err, exceptions.RayTaskError):
@@ -343,7 +437,9 @@ def _failure(spec: InstanceSpec, phase: str, err: Exception) -> FlowError:
                 getattr(cause, "cause", None), BaseException):
             cause = cause.cause  # a call into another actor's object nests its error
         if isinstance(cause, exceptions.RayActorError):  # it lost the hub or a worker
-            what = f"a process it depends on died ({type(cause).__name__})"
+            dead = _dead(cause, names)
+            what = (f"{dead} died" if dead else "a process it depends on died") + \
+                f" ({type(cause).__name__})"
         else:
             what, original = _describe(cause), cause
         cause_type = type(cause).__name__
@@ -353,7 +449,9 @@ def _failure(spec: InstanceSpec, phase: str, err: Exception) -> FlowError:
         if getattr(err, "actor_init_failed", False) and lines:  # e.g. unpicklable function
             what = lines[-1]
         else:
-            what = f"its process died ({type(err).__name__})"
+            found = _PID.search(str(err))
+            pid = f" (pid {found.group(1)})" if found else ""
+            what = f"its process{pid} died ({type(err).__name__})"
         cause_type, detail = type(err).__name__, str(err)
     else:
         what, cause_type, detail = _describe(err), type(err).__name__, ""

@@ -56,6 +56,8 @@ class InstanceSpec:
     """With its own data: at most this many items read and not yet finished by the sinks."""
     fused: tuple[StageSpec, ...] = ()
     """Controllers fused into this one, in chain order: each item passes through them first."""
+    replaceable: Any = None
+    """`Controller.replaceable`."""
 
     @property
     def name(self) -> str:
@@ -122,7 +124,8 @@ def build_plan(group: ControllerGroup, has_data: bool, steps: int | None,
             counts_steps=steps is not None and c.is_sink,
             reports_done=max_in_flight is not None and c.is_sink, streaming=c.streaming,
             data=head.data, max_in_flight=max_in_flight if head.reads_own_data else None,
-            fused=tuple(StageSpec(f.role, f.function, f.batch_items) for f in chain)))
+            fused=tuple(StageSpec(f.role, f.function, f.batch_items) for f in chain),
+            replaceable=c.replaceable))
         indices[c.role] += 1
     table = {name: (s.buffer_size, producers[name]) for name, s in streams.items()
              if name not in inner}

@@ -8,6 +8,7 @@ import os
 import signal
 from typing import Any, Callable
 
+from mcore_rl.config.sections import LaunchConfig
 from mcore_rl.errors import UsageError
 
 
@@ -50,12 +51,20 @@ def _check_reachable(address: str | None) -> None:
                          "Ray of this machine") from None
 
 
-def start_local(**init_kwargs) -> Callable[[], None]:
+RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+"""Ray's setting of how long its processes retry a GCS that is gone (read from the
+environment of each process when it starts)."""
+
+
+def start_local(reconnect_timeout_s: int = LaunchConfig.ray_reconnect_timeout_s,
+                **init_kwargs) -> Callable[[], None]:
     """``ray.init(**init_kwargs)``; returns the function that shuts it down again and puts
     back the driver's signal handlers as they were before (the trainer's own stop
-    handling, a caller's handlers)."""
+    handling, a caller's handlers). ``reconnect_timeout_s``: `RECONNECT_ENV`, for this
+    process and the Ray processes it starts (unless the environment sets it already)."""
     ray = require()
     _check_reachable(init_kwargs.get("address") or os.environ.get("RAY_ADDRESS"))
+    os.environ.setdefault(RECONNECT_ENV, str(reconnect_timeout_s))
     saved = {sig: signal.getsignal(sig) for sig in DRIVER_SIGNALS}
     try:
         ray.init(**init_kwargs)
@@ -90,6 +99,14 @@ def local_ray(**init_kwargs):
 def actor_class(cls: type) -> Any:
     """``cls`` as a Ray actor class (made once per class; options are given per actor)."""
     return require().remote(cls)
+
+
+def session_dir() -> str | None:
+    """The directory of the Ray session this process is connected to (its ``logs/`` hold
+    every Ray process's output), or None."""
+    ray = require()
+    node = getattr(ray._private.worker, "_global_node", None)  # noqa: SLF001 - only here
+    return node.get_session_dir_path() if node is not None else None
 
 
 def node_id() -> str:

@@ -64,6 +64,10 @@ class FlowStats:
     """Calls of the sink controllers (what ``steps=`` counts)."""
     wall_s: float = 0.0
     """Seconds of the whole launch, Ray start excluded."""
+    lost: list[str] = field(default_factory=list)
+    """Instances that failed and were replaced by the others of their role (`Replaceable`)."""
+    requeued: int = 0
+    """Items those instances had taken and not finished, fed again to the others."""
 
     @classmethod
     def collect(cls, instances: list[ControllerStats], sinks: set[str], wall_s: float) -> "FlowStats":

@@ -97,6 +97,11 @@ class WeightSync:
         self.path = channel.path
         self.engines = list(engines)
         """Every engine the controller updates (empty on the other ranks)."""
+        self.drop_dead_engines = False
+        """An engine found dead during a call is dropped from ``engines`` and the others go
+        on (replicas that stand in for each other); the last one is never dropped."""
+        self.dropped: list[str] = []
+        """Why each dropped engine was dropped."""
         self.writer = writer
         self.controller, self.group = controller, group
         self.rank = dist.get_rank()
@@ -157,8 +162,7 @@ class WeightSync:
         """Free the transport's memory: every process lets go of it. Collective."""
         self.writer.close()
         if self.rank == self.controller:
-            for engine in self.engines:
-                engine.release_update_buffer()
+            self.call_engines(lambda engine: engine.release_update_buffer())
         barrier(self.group)
         self.channel.close()
 
@@ -175,6 +179,18 @@ class WeightSync:
         if now != self._views_pointers:
             self._views_pointers, self._views = now, local_holdings(self.chunks, self.rank)[1]
         return self._views
+
+    def call_engines(self, call) -> None:
+        """``call(engine)`` for every engine, in order (`drop_dead_engines`: one found dead
+        is dropped, unless it is the last)."""
+        for engine in list(self.engines):
+            try:
+                call(engine)
+            except Exception as err:  # noqa: BLE001 - re-raised unless the engine is dead
+                if not (self.drop_dead_engines and engine_is_dead(err) and len(self.engines) > 1):
+                    raise
+                self.engines.remove(engine)
+                self.dropped.append(str(err).splitlines()[0] if str(err) else type(err).__name__)
 
     # ----- one sync -------------------------------------------------------------------
     @torch.no_grad()
@@ -301,6 +317,15 @@ class WeightSync:
             raise WeightSyncError(error)
 
 
+DEAD = ("EngineDiedError", "RayActorError", "ActorDiedError", "ActorUnavailableError")
+"""Errors that say the engine (or the process that owns it) is gone, by class name: Ray's
+are not imported here, and an engine's own error comes back wrapped by Ray."""
+
+
+def engine_is_dead(err: BaseException) -> bool:
+    return any(cls.__name__ in DEAD for cls in type(err).__mro__)
+
+
 class _Session:
     """One sync's calls into the engines (controller): the first carries the session's start
     (and the weights' wake), the last its end (and the KV cache's wake)."""
@@ -317,8 +342,8 @@ class _Session:
         begin = None if self.begun else (sync.path, sync.channel.nbytes)
         self.begun = True
         start = time.perf_counter()
-        for engine in sync.engines:
-            engine.apply_update(self.version, manifests, begin=begin, finish=last, wake=self.wake)
+        sync.call_engines(lambda engine: engine.apply_update(
+            self.version, manifests, begin=begin, finish=last, wake=self.wake))
         return time.perf_counter() - start
 
 

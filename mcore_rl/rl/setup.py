@@ -216,6 +216,7 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list,
                                   actor_model.spec.arch, cfg.reshard,
                                   engines=list(engines) if ctx.is_controller else None,
                                   controller=ctx.controller, group=ctx.world_group)
+    sync.drop_dead_engines = cfg.rollout.on_replica_failure == "continue"
     train_records = load_prompt_records(cfg.data, "train")
     val_records = load_prompt_records(cfg.data, "val")
     log = MetricsLog(cfg.logging.dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,

@@ -98,6 +98,18 @@ def group_items(cfg_data: dict, start_step: int, position: int) -> Iterator[dict
             yield {"step": item["step"], "index": index, "prompt": prompt}
 
 
+def group_key(item: dict) -> tuple[int, int]:
+    """A streamed prompt group's identity: (step, index)."""
+    return item["step"], item["index"]
+
+
+def finished_groups(entry: Any) -> list[tuple[int, int]]:
+    """The groups an entry of the rollout's output finishes (`group_key` of each)."""
+    from mcore_rl.flow.entries import unpack
+
+    return [tuple(batch.meta["group_key"][0]) for batch in unpack(entry)]
+
+
 def streams_groups(cfg: RLConfig) -> bool:
     """Whether the rollout streams prompt groups (asynchronous, or several replicas taking a
     step's groups by load) rather than generating a step's prompts in one call."""
@@ -151,7 +163,7 @@ def rl_graph(cfg: RLConfig, model_dir: Path, stop: Any = None, gpus: bool = Fals
     `RLTrainer` (no reward controller, no data: the driver samples, scores and updates);
     ``plan_only``: a graph to place, never run (no checkpoint is read: its paths may exist
     only on the cluster)."""
-    from mcore_rl.flow import GPUs, Controller, ControllerGroup, DataStream, factory
+    from mcore_rl.flow import GPUs, Controller, ControllerGroup, DataStream, Replaceable, factory
     from mcore_rl.roles.continuous import ContinuousGenerate
     from mcore_rl.roles.generate import Generate
     from mcore_rl.roles.reward_model import reward_controller
@@ -170,8 +182,11 @@ def rl_graph(cfg: RLConfig, model_dir: Path, stop: Any = None, gpus: bool = Fals
     role = ContinuousGenerate if by_groups else Generate
     engine_devices = [GPUs(r.engine_tp, share="trainer" if colocated else None)] * r.replicas \
         if gpus else replica_cores(r.replicas, gpus)
+    replaceable = Replaceable(group_key, finished_groups) \
+        if by_groups and r.on_replica_failure == "continue" else None
     rollouts = [Controller("rollout", factory(role, data, str(model_dir), name), data=own,
                            data_output=None if driven else rollout, streaming=by_groups,
+                           replaceable=replaceable,
                            devices=None if fused else devices,
                            fused_with="trainer" if fused else None)
                 for name, devices in zip(engines, engine_devices)]
@@ -226,20 +241,36 @@ def job_graph(cfg: RLConfig, stop: Any = None, gpus: bool = False, driven: bool 
 def run_job(cfg: RLConfig, stop: Any = None, address: str | None = None):
     """Launch ``cfg``'s job as its graph on Ray (joined, or started here) and wait for it;
     its `FlowStats`. A run that fails before its first checkpoint removes the random
-    initial model it wrote."""
+    initial model it wrote. Once every process is up, ``<logging.dir>/processes.json`` says
+    which is which (`process_map`): the pids to attach a profiler to, or to look for."""
     from mcore_rl.flow import gpu_placement, launch, ray_shim
     from mcore_rl.rl.setup import initial_model_removed_on_failure
 
     ray = ray_shim.require()
     stop_ray = None if ray.is_initialized() else ray_shim.start_local(
-        address=address, include_dashboard=False)
+        cfg.launch.ray_reconnect_timeout_s, address=address, include_dashboard=False)
     try:
         with initial_model_removed_on_failure(cfg, _DRIVER):
             cfg, job = job_graph(cfg, stop, gpus=gpu_placement.has_gpus())
-            return launch(job.group, data=job.data, max_in_flight=job.max_in_flight)
+            return launch(job.group, data=job.data, max_in_flight=job.max_in_flight,
+                          on_started=lambda processes: write_process_map(cfg, processes))
     finally:
         if stop_ray is not None:
             stop_ray()
+
+
+PROCESS_MAP = "processes.json"
+"""The file in ``logging.dir`` that names the run's processes (`write_process_map`)."""
+
+
+def write_process_map(cfg: RLConfig, processes: dict[str, list[int]]) -> Path:
+    """``{"driver": pid, "ray_session": its directory, "processes": {"hub": [pid],
+    "<role>#<index>": [controller pid, then the ranks or engines it started]}}``."""
+    from mcore_rl.atomic_write import write_json_atomic
+    from mcore_rl.flow import ray_shim
+
+    return write_json_atomic(Path(cfg.logging.dir) / PROCESS_MAP, {
+        "driver": os.getpid(), "ray_session": ray_shim.session_dir(), "processes": processes})
 
 
 def run_in_this_world(cfg: RLConfig, stop: Any = None):

@@ -76,6 +76,10 @@ def check_combination(cfg: RLConfig, driver: str = "train") -> None:
         raise ConfigError(f"train.on_stale=regenerate needs train.schedule=async (the rollout "
                           f"regenerates groups as it runs); with train.schedule={t.schedule} set "
                           "train.on_stale=drop")
+    if r.on_replica_failure == "continue" and r.replicas < 2:
+        raise ConfigError("rollout.on_replica_failure=continue goes on with the other replicas "
+                          f"when one dies, but rollout.replicas={r.replicas}; set "
+                          "rollout.replicas=2 (or more), or rollout.on_replica_failure=stop")
     if t.schedule == "one_step_off" and t.max_staleness < 1:
         raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "
                           f"old, but train.max_staleness={t.max_staleness} allows none; set "

@@ -8,6 +8,7 @@ out of range for every bounded config field (`mcore_rl.config.ranges.RANGES`).
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,9 @@ CASES = [
                                                                 "checkpoint", "checkpoint.resume=never"),
     (["train.schedule=one_step_off", "rollout.placement=separate"],
      "train.schedule=one_step_off trains on rollouts one weight version old", "train.max_staleness=1"),
+    (["rollout.on_replica_failure=continue"],
+     "rollout.on_replica_failure=continue goes on with the other replicas when one dies, but "
+     "rollout.replicas=1", "set rollout.replicas=2 (or more)"),
     (["rollout.placement=fused", "train.schedule=async", "train.max_staleness=1"],
      "rollout.placement=fused runs rollout, reward and update in line in the trainer's first rank",
      "set rollout.placement=colocated (or separate), or train.schedule=sync"),
@@ -246,9 +250,11 @@ def test_every_job_and_placement_runs_as_its_graph_through_one_entry(monkeypatch
     started = []
     monkeypatch.setattr("mcore_rl.roles.graph.run_job",
                         lambda cfg, **kwargs: started.append((cfg.train.job, cfg.rollout.placement)))
-    monkeypatch.setattr("mcore_rl.flow.ray_shim.start_local", lambda **kwargs: (lambda: None))
+    monkeypatch.setattr("mcore_rl.flow.ray_shim.start_local", lambda *a, **kw: (lambda: None))
     monkeypatch.setattr("mcore_rl.flow.ray_shim.require",
                         lambda: type("Ray", (), {"is_initialized": staticmethod(lambda: True)}))
+    monkeypatch.setattr("mcore_rl.flow.ray_head.quiet_death_notices", lambda: None)
+    monkeypatch.setattr("mcore_rl.flow.ray_head.watch_head", lambda on_death: threading.Event())
     quick = str(REPO / "configs" / "quickstart.yaml")
     assert main(["train", quick, f"logging.dir={tmp_path}/a", "rollout.placement=fused"]) == 0
     assert main(["train", quick, f"logging.dir={tmp_path}/b"]) == 0

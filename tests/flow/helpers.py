@@ -392,3 +392,56 @@ class FinishAtFirstCall:
 
         write(self.log, event="call", x=[i["x"] for i in items])
         finish_launch()
+
+
+def item_key(x):
+    """`Replaceable.item_key` of the replacement tests: the fed integers are their keys."""
+    return x
+
+
+def output_keys(out) -> list:
+    """`Replaceable.output_keys`: the ``x`` of each output dict (one, or a `Many`)."""
+    from mcore_rl.flow.entries import unpack
+
+    return [d["x"] for d in unpack(out)]
+
+
+class Holding:
+    """A streaming replica with up to ``hold`` items in flight: a reader takes them while the
+    loop hands each on (as a `Many` of one {"x", "by"}) after ``delay_s``, never waiting for
+    the end of its input; with ``die_at``, its process exits as it takes that many-th item,
+    the ones taken before it still in flight; with ``die_on_emit``, as it is about to hand on
+    that many-th item. ``start_s``: it waits that long before it takes any."""
+
+    def __init__(self, log: str, name: str, hold: int = 3, die_at: int | None = None,
+                 delay_s: float = 0.02, die_on_emit: int | None = None, start_s: float = 0.0):
+        self.log, self.name, self.hold, self.die_at, self.delay_s = log, name, hold, die_at, delay_s
+        self.die_on_emit, self.start_s = die_on_emit, start_s
+
+    def __call__(self, items):
+        import queue
+        import threading
+
+        from mcore_rl.flow.entries import pack
+
+        arrived, room, end = queue.Queue(), threading.Semaphore(self.hold), object()
+
+        def read() -> None:
+            time.sleep(self.start_s)
+            for taken, x in enumerate(items, 1):
+                write(self.log, event="take", by=self.name, x=x)
+                if self.die_at is not None and taken >= self.die_at:
+                    os._exit(3)
+                arrived.put(x)
+                room.acquire()
+            arrived.put(end)
+
+        threading.Thread(target=read, daemon=True).start()
+        emitted = 0
+        while (x := arrived.get()) is not end:
+            time.sleep(self.delay_s)
+            emitted += 1
+            if emitted == self.die_on_emit:
+                os._exit(3)
+            yield pack([{"x": x, "by": self.name}])
+            room.release()

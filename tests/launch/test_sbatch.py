@@ -155,3 +155,15 @@ def test_bad_requests_fail_in_one_line_before_submission(capsys, args, message, 
     code, out, err = _launch(capsys, "--partition", "debug", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
     assert not recording_sbatch.exists() and out == ""
+
+
+def test_every_ray_process_of_the_job_gives_up_on_a_dead_gcs_after_the_configured_time(
+        capsys, tmp_path, recording_sbatch):
+    code, out, err = _launch(capsys, CONFIG, f"logging.dir={tmp_path}",
+                             "launch.ray_reconnect_timeout_s=7", "--nodes", "2", "--dry-run")
+    assert code == 0, err
+    exports = [ln for ln in out.splitlines() if ln.startswith("export RAY_gcs_rpc_server_reconnect")]
+    assert exports == ['export RAY_gcs_rpc_server_reconnect_timeout_s='
+                       '"${RAY_gcs_rpc_server_reconnect_timeout_s:-7}"'], exports
+    head = out.index("ray_node start --head")
+    assert out.index(exports[0]) < head  # the nodes' Ray and the driver inherit it
