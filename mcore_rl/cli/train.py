@@ -129,15 +129,17 @@ def run_checked(cfg: RLConfig) -> int:
             code = 1
             last = error_line(str(err).splitlines()[0], cfg.logging.dir, str(err))
     finally:
-        head_watch.set()  # Ray is shut down on purpose from here on
+        head_watch.stop()  # Ray is shut down on purpose from here on
         forwarding.uninstall()
-        if stop_ray is not None:
-            stop_ray()
-        if private is not None:
-            private.unlink(missing_ok=True)
-            private.with_name(private.name + ".saved").unlink(missing_ok=True)
-    if last is not None:  # after Ray is down: nothing of its shutdown prints below it
-        print(last, file=to, flush=True)
+        try:
+            if stop_ray is not None:
+                stop_ray()
+        finally:
+            if private is not None:
+                private.unlink(missing_ok=True)
+                private.with_name(private.name + ".saved").unlink(missing_ok=True)
+            if last is not None:  # after Ray is down: nothing of its shutdown prints below it
+                print(last, file=to, flush=True)
     return code
 
 

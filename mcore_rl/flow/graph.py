@@ -152,10 +152,11 @@ class Controller:
         if self.data_input is not None and self.data_input is self.data_output:
             raise UsageError(f"controller '{self.role}' reads and writes the same stream")
         if self.replaceable is not None and (self.data_input is not None or self.data is not None
-                                             or self.fused_with is not None or self.is_sink):
+                                             or self.fused_with is not None or self.is_sink
+                                             or self.batch_items != 1):
             raise UsageError(f"controller '{self.role}' is replaceable: it reads the launch's "
-                             "fed data (no data_input, no data of its own), is not fused and "
-                             "has a data_output")
+                             "fed data (no data_input, no data of its own), one item per call "
+                             "(batch_items=1), is not fused and has a data_output")
 
     @property
     def is_source(self) -> bool:
@@ -175,7 +176,9 @@ class Replaceable:
     """How the launch tells which items a failed instance had not finished: each fed item's
     key (``item_key(item)``, computed by the driver as it feeds), and the keys of the items
     an output finishes (``output_keys(output)``; an output that is a `Many` of several).
-    Both must be picklable (module-level functions). The role reads the launch's fed data;
+    Both must be picklable (module-level functions), and keys unique over the launch. The
+    function must hand each item on without waiting for the end of its input (instances
+    holding items wait for each other there). The role reads the launch's fed data;
     when an instance fails, a line says so, its unfinished items go back to the front of
     the feed for the other instances, and the launch fails only once none is left."""
 

@@ -51,8 +51,8 @@ class Hub:
         items it took earlier)."""
         return self.streams[stream].cancelled
 
-    async def close(self, stream: str) -> None:
-        await self.streams[stream].close()
+    async def close(self, stream: str, producer: str | None = None) -> None:
+        await self.streams[stream].close(producer)
 
     async def acquire(self, devices: tuple[int, ...]) -> None:
         await self.turns.acquire(devices)

@@ -104,7 +104,8 @@ class ItemLoop:
         if spec.replaceable is not None:  # done: nothing it took goes back to the feed
             ray_shim.require().get(hub.let_go.remote(spec.input, spec.name))
         if spec.output is not None and hub is not None:
-            ray_shim.require().get(hub.close.remote(spec.output))
+            producer = spec.name if spec.replaceable is not None else None
+            ray_shim.require().get(hub.close.remote(spec.output, producer))
         self.stats.wall_s = time.perf_counter() - start
         if spec.streaming:  # the function's own time: what was not spent waiting on streams
             self.stats.busy_s = max(0.0, self.stats.wall_s - self.stats.blocked_in_s

@@ -41,12 +41,16 @@ class FlowError(RuntimeError):
     follows."""
 
     def __init__(self, message: str, role: str | None = None, index: int | None = None,
-                 cause_type: str | None = None, cause: BaseException | None = None):
+                 cause_type: str | None = None, cause: BaseException | None = None,
+                 dependency: bool = False):
         super().__init__(message)
         self.role, self.index, self.cause_type = role, index, cause_type
         self.cause = cause
         """The original exception (through calls into other controllers' objects too), when
         it could be carried back; None when a process died."""
+        self.dependency = dependency
+        """It failed because a process it depends on died (the hub, a rank, another
+        controller whose object it called), not by itself."""
 
 
 def launch(group: ControllerGroup, num_epochs: int | None = None, data: Iterable[Any] | None = None,
@@ -288,8 +292,12 @@ class _Launch:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S, fetch_local=False)
             if self.feed_error is not None:
-                raise FlowError(f"the launch's data failed: {_describe(self.feed_error)}") \
-                    from self.feed_error
+                err = self.feed_error
+                dead = _dead(err, self._names()) if isinstance(
+                    err, ray.exceptions.RayActorError) else ""
+                what = f"{dead} died ({type(err).__name__})" if dead else _describe(err)
+                raise FlowError(f"the launch's data failed: {what}", dependency=bool(dead)) \
+                    from err
             for ref in ready:
                 spec = self.plan.instances[refs[ref]]
                 try:
@@ -306,7 +314,7 @@ class _Launch:
         instance of it is alive, end its processes, give what it had not finished back to
         the feed and go on (True); else False (the launch fails, naming the last one)."""
         spec = self.plan.instances[i]
-        if spec.replaceable is None:
+        if spec.replaceable is None or failure.dependency:  # e.g. the hub died: not its fault
             return False
         peers = [j for j, s in enumerate(self.plan.instances) if s.role == spec.role]
         alive = [j for j in peers if j != i and j not in self.lost]
@@ -319,14 +327,16 @@ class _Launch:
         self.lost.add(i)
         print(f"mcore-rl: {first}; going on with {len(alive)} of {len(peers)} '{spec.role}' "
               "instances", file=sys.stderr, flush=True)
-        self.ray.kill(self.actors[i], no_restart=True)
         here = ray_shim.node_id()
+        if any(node != here for node, _ in self.places[i]):  # it kills its own there
+            self.ray.wait([self.actors[i].kill_group.remote()], timeout=KILL_WAIT_S)
+        self.ray.kill(self.actors[i], no_restart=True)
         for node, pid in self.places[i]:
             if node == here:
                 kill_process_group(pid)
-        requeued = self.ray.get(self.hub.requeue.remote(spec.input, spec.name))
-        if spec.output is not None:
-            self.ray.get(self.hub.close.remote(spec.output))  # it never will
+        requeued = self.wait_hub(self.hub.requeue.remote(spec.input, spec.name))
+        if spec.output is not None:  # it will not (a close it made already counts once)
+            self.wait_hub(self.hub.close.remote(spec.output, spec.name))
         self.requeued += requeued
         return True
 
@@ -385,13 +395,15 @@ class _Launch:
         ray = self.ray
         self.stopping.set()
         here = ray_shim.node_id()
-        remote = {node for node, _ in self.processes if node != here}
+        live = [place for i, places in enumerate(self.places) if i not in self.lost
+                for place in places]  # a lost instance's were killed then; their pids may
+        remote = {node for node, _ in live if node != here}  # be reused by now
         if remote:
             kills = [a.kill_group.remote() for a in self.actors]
             ray.wait(kills, num_returns=len(kills), timeout=2.0)
         for actor in [*self.actors, *([self.hub] if self.hub is not None else [])]:
             ray.kill(actor, no_restart=True)
-        local = [pid for node, pid in self.processes if node == here]
+        local = [pid for node, pid in live if node == here]
         deadline = time.monotonic() + KILL_WAIT_S  # Ray's own kill first: it logs no error
         while any(alive(pid) for pid in local) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -430,13 +442,14 @@ def _failure(spec: InstanceSpec, phase: str, err: Exception,
     ``names`` (pid -> name) names a process it depended on that died."""
     names = names or {}
     exceptions = ray_shim.require().exceptions
-    original = None
+    original, dependency = None, False
     if isinstance(err, exceptions.RayTaskError):
         cause = err
         while isinstance(cause, exceptions.RayTaskError) and isinstance(
                 getattr(cause, "cause", None), BaseException):
             cause = cause.cause  # a call into another actor's object nests its error
-        if isinstance(cause, exceptions.RayActorError):  # it lost the hub or a worker
+        dependency = isinstance(cause, exceptions.RayActorError)
+        if dependency:  # it lost the hub or a worker
             dead = _dead(cause, names)
             what = (f"{dead} died" if dead else "a process it depends on died") + \
                 f" ({type(cause).__name__})"
@@ -457,4 +470,4 @@ def _failure(spec: InstanceSpec, phase: str, err: Exception,
         what, cause_type, detail = _describe(err), type(err).__name__, ""
     message = f"controller {spec.name} failed while {phase}: {what}"
     return FlowError(f"{message}\n{detail}" if detail else message, spec.role, spec.index,
-                     cause_type, original)
+                     cause_type, original, dependency)

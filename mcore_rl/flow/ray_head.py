@@ -70,21 +70,38 @@ def head_problem(processes: dict[str, Any], address: str | None, misses: list[in
     return None
 
 
-def watch_head(on_death: Callable[[str], None], poll_s: float = HEAD_POLL_S) -> threading.Event:
-    """Call ``on_death(what happened)`` from a daemon thread once the head dies; set the
-    returned event to stop watching (before shutting Ray down on purpose)."""
-    processes, address, misses = head_processes(), gcs_address(), [0]
-    stop = threading.Event()
+class HeadWatch:
+    """A daemon thread that calls ``on_death(what happened)`` once the head dies, unless
+    `stop` came first: the two exclude each other, so a run that ends on purpose and a head
+    that dies meanwhile never both report."""
 
-    def watch() -> None:
-        while not stop.wait(poll_s):
-            problem = head_problem(processes, address, misses)
-            if problem is not None and not stop.is_set():
-                on_death(problem)
-                return
+    def __init__(self, on_death: Callable[[str], None], poll_s: float = HEAD_POLL_S):
+        self.on_death, self.poll_s = on_death, poll_s
+        self.lock, self.stopped = threading.Lock(), threading.Event()
+        self.processes, self.address, self.misses = head_processes(), gcs_address(), [0]
+        threading.Thread(target=self._watch, daemon=True, name="ray-head-watch").start()
 
-    threading.Thread(target=watch, daemon=True, name="ray-head-watch").start()
-    return stop
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.poll_s):
+            problem = head_problem(self.processes, self.address, self.misses)
+            if problem is None:
+                continue
+            with self.lock:
+                if not self.stopped.is_set():
+                    self.on_death(problem)  # ends the process, or reports once
+                    self.stopped.set()
+            return
+
+    def stop(self) -> None:
+        """No report from here on (before Ray is shut down on purpose); waits for a report
+        under way."""
+        with self.lock:
+            self.stopped.set()
+
+
+def watch_head(on_death: Callable[[str], None], poll_s: float = HEAD_POLL_S) -> HeadWatch:
+    """`HeadWatch` of the Ray this process is connected to."""
+    return HeadWatch(on_death, poll_s)
 
 
 DEATH_NOTICES = ("A worker died or was killed", "has been marked dead because",

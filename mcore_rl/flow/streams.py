@@ -26,6 +26,8 @@ class StreamState:
         """The key of each waiting item (None: not tracked), in step with ``items``."""
         self.held: dict[str, dict] = {}
         """Holder -> {key: box} it took and has not acknowledged (`ack`), for `requeue`."""
+        self.closed_by: set[str] = set()
+        """Producers that closed by name (`close`)."""
         self.gone: set[str] = set()
         """Holders that failed (`requeue`): a call of theirs still waiting here (the hub
         serves calls of a caller that died) takes nothing more."""
@@ -100,9 +102,14 @@ class StreamState:
             self.changed.notify_all()
             return len(held)
 
-    async def close(self) -> None:
-        """One producer is done."""
+    async def close(self, producer: str | None = None) -> None:
+        """One producer is done (``producer``: named, so that a second close of the same
+        one, by the launch on behalf of a failed instance, counts once)."""
         async with self.changed:
+            if producer is not None:
+                if producer in self.closed_by:
+                    return
+                self.closed_by.add(producer)
             self.open_producers -= 1
             self.changed.notify_all()
 

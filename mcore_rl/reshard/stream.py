@@ -317,9 +317,10 @@ class WeightSync:
             raise WeightSyncError(error)
 
 
-DEAD = ("EngineDiedError", "RayActorError", "ActorDiedError", "ActorUnavailableError")
-"""Errors that say the engine (or the process that owns it) is gone, by class name: Ray's
-are not imported here, and an engine's own error comes back wrapped by Ray."""
+DEAD = ("EngineDiedError", "ActorDiedError")
+"""Errors that say the engine (or the process that owns it) is gone for good, by class name
+(Ray's are not imported here, and an engine's own error comes back wrapped by Ray); Ray's
+transient ``ActorUnavailableError`` is not one."""
 
 
 def engine_is_dead(err: BaseException) -> bool:

@@ -8,7 +8,6 @@ out of range for every bounded config field (`mcore_rl.config.ranges.RANGES`).
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -254,7 +253,8 @@ def test_every_job_and_placement_runs_as_its_graph_through_one_entry(monkeypatch
     monkeypatch.setattr("mcore_rl.flow.ray_shim.require",
                         lambda: type("Ray", (), {"is_initialized": staticmethod(lambda: True)}))
     monkeypatch.setattr("mcore_rl.flow.ray_head.quiet_death_notices", lambda: None)
-    monkeypatch.setattr("mcore_rl.flow.ray_head.watch_head", lambda on_death: threading.Event())
+    monkeypatch.setattr("mcore_rl.flow.ray_head.watch_head",
+                        lambda on_death: type("Watch", (), {"stop": lambda self: None})())
     quick = str(REPO / "configs" / "quickstart.yaml")
     assert main(["train", quick, f"logging.dir={tmp_path}/a", "rollout.placement=fused"]) == 0
     assert main(["train", quick, f"logging.dir={tmp_path}/b"]) == 0

@@ -80,3 +80,30 @@ def test_a_dead_replicas_waiting_take_gets_nothing_of_what_went_back(ray_cluster
     assert consumed == items and stats.lost == ["'work' #1"]
     assert stats.requeued == len([r for r in records if r["event"] == "take"
                                   and r["by"] == "work#1"]) == 4
+
+
+def test_a_replica_that_lost_the_hub_is_not_replaced_the_launch_fails(ray_cluster, tmp_path,
+                                                                       capfd):
+    """Every instance fails when the hub dies: that is no replica's own failure."""
+    import os
+    import signal
+    import threading
+
+    log = str(tmp_path / "log.jsonl")
+
+    def kill_the_hub(processes: dict) -> None:
+        threading.Timer(0.5, os.kill, args=(processes["hub"][0], signal.SIGKILL)).start()
+
+    with pytest.raises(FlowError) as caught:
+        launch(replicas(log, [None, None], delay_s=[0.2, 0.2]), data=list(range(ITEMS)),
+               on_started=kill_the_hub)
+    assert "the stream hub (pid " in str(caught.value).splitlines()[0]
+    assert "going on with" not in capfd.readouterr().err
+
+
+def test_a_replaceable_role_takes_one_item_per_call():
+    from mcore_rl.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"one item per call \(batch_items=1\)"):
+        Controller("work", helpers.Consume, data_output=DataStream("out", 2), batch_items=2,
+                   replaceable=REPLACEABLE)
