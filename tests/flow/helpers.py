@@ -117,7 +117,8 @@ class Placed:
 
 class Faulty:
     """Logs its pid and a child ``sleep 600`` it starts; fails on item ``fail_at``: raises,
-    or ``os._exit`` (a dead process), or waits to be killed from outside (``hang``)."""
+    or ``os._exit`` (a dead process), or waits to be killed from outside (``hang``: the
+    file ``<log>.<name>.hanging`` says it waits)."""
 
     def __init__(self, log: str, name: str, fail_at: int | None = None, how: str = "raise"):
         self.log, self.name, self.fail_at, self.how, self.calls = log, name, fail_at, how, 0
@@ -131,6 +132,7 @@ class Faulty:
                 raise ValueError(f"bad item in {self.name}")
             if self.how == "exit":
                 os._exit(3)
+            Path(f"{self.log}.{self.name}.hanging").touch()
             time.sleep(600)
         time.sleep(0.01)
         return item

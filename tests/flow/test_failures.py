@@ -72,8 +72,8 @@ def test_a_worker_process_that_exits_is_reported_with_its_role(ray_cluster, tmp_
 def test_a_worker_process_killed_from_outside_is_reported_with_its_role(ray_cluster, tmp_path):
     log = str(tmp_path / "log.jsonl")
 
-    def kill_the_trainer() -> None:  # once every instance has started and logged its pid
-        while len(helpers.read(log)) < 4:
+    def kill_the_trainer() -> None:  # once it runs, hanging on an item
+        while not os.path.exists(f"{log}.trainer#0.hanging"):
             time.sleep(0.05)
         trainer = next(r for r in helpers.read(log) if r["name"] == "trainer#0")
         os.kill(trainer["pid"], signal.SIGKILL)
