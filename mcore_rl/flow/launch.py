@@ -327,13 +327,7 @@ class _Launch:
         self.lost.add(i)
         print(f"mcore-rl: {first}; going on with {len(alive)} of {len(peers)} '{spec.role}' "
               "instances", file=sys.stderr, flush=True)
-        here = ray_shim.node_id()
-        if any(node != here for node, _ in self.places[i]):  # it kills its own there
-            self.ray.wait([self.actors[i].kill_group.remote()], timeout=KILL_WAIT_S)
-        self.ray.kill(self.actors[i], no_restart=True)
-        for node, pid in self.places[i]:
-            if node == here:
-                kill_process_group(pid)
+        self.kill([i])
         requeued = self.wait_hub(self.hub.requeue.remote(spec.input, spec.name))
         if spec.output is not None:  # it will not (a close it made already counts once)
             self.wait_hub(self.hub.close.remote(spec.output, spec.name))
@@ -389,26 +383,31 @@ class _Launch:
             if not self.stopping.is_set():
                 self.feed_error = err
 
-    def teardown(self) -> None:
-        """Kill every actor and, on this node, every process group they lead; actors on
-        other nodes kill their own groups first. The placement groups go last."""
-        ray = self.ray
-        self.stopping.set()
-        here = ray_shim.node_id()
-        live = [place for i, places in enumerate(self.places) if i not in self.lost
-                for place in places]  # a lost instance's were killed then; their pids may
-        remote = {node for node, _ in live if node != here}  # be reused by now
-        if remote:
-            kills = [a.kill_group.remote() for a in self.actors]
+    def kill(self, instances: list[int], hub: bool = False) -> None:
+        """Kill the actors of ``instances`` (and the hub's) and, on this node, every process
+        group their processes lead; actors on other nodes kill their own groups first."""
+        ray, here = self.ray, ray_shim.node_id()
+        places = [place for i in instances for place in self.places[i]] \
+            if len(self.places) == len(self.actors) else []
+        if any(node != here for node, _ in places):
+            kills = [self.actors[i].kill_group.remote() for i in instances]
             ray.wait(kills, num_returns=len(kills), timeout=2.0)
-        for actor in [*self.actors, *([self.hub] if self.hub is not None else [])]:
+        for actor in [*(self.actors[i] for i in instances), *([self.hub] if hub and self.hub
+                                                               is not None else [])]:
             ray.kill(actor, no_restart=True)
-        local = [pid for node, pid in live if node == here]
+        local = [pid for node, pid in places if node == here]
         deadline = time.monotonic() + KILL_WAIT_S  # Ray's own kill first: it logs no error
         while any(alive(pid) for pid in local) and time.monotonic() < deadline:
             time.sleep(0.02)
         for pid in local:  # then what they started (and any process that outlived the kill)
             kill_process_group(pid)
+
+    def teardown(self) -> None:
+        """Kill every actor and the process groups they lead (`kill`); the placement groups
+        go last."""
+        self.stopping.set()
+        # a lost instance's processes were killed then: their pids may be reused by now
+        self.kill([i for i in range(len(self.actors)) if i not in self.lost], hub=True)
         if self.feeder is not None:
             self.feeder.join(timeout=5.0)
         if self.reservation is not None:
@@ -426,13 +425,18 @@ def _describe(err: BaseException) -> str:
 _PID = re.compile(r"^\s*pid: (\d+)\s*$", re.MULTILINE)
 
 
+def _pid_of(err: BaseException) -> int | None:
+    """The pid of the process a Ray actor error says died, if it names one."""
+    found = _PID.search(str(err))
+    return int(found.group(1)) if found else None
+
+
 def _dead(err: BaseException, names: dict[int, str]) -> str:
     """Which process a Ray actor error says died: its name in the launch and pid
     (``names``), or its pid alone; empty when the error names none."""
-    found = _PID.search(str(err))
-    if found is None:
+    pid = _pid_of(err)
+    if pid is None:
         return ""
-    pid = int(found.group(1))
     return f"{names[pid]} (pid {pid})" if pid in names else f"process {pid}"
 
 
@@ -462,9 +466,8 @@ def _failure(spec: InstanceSpec, phase: str, err: Exception,
         if getattr(err, "actor_init_failed", False) and lines:  # e.g. unpicklable function
             what = lines[-1]
         else:
-            found = _PID.search(str(err))
-            pid = f" (pid {found.group(1)})" if found else ""
-            what = f"its process{pid} died ({type(err).__name__})"
+            pid = _pid_of(err)
+            what = f"its process{f' (pid {pid})' if pid else ''} died ({type(err).__name__})"
         cause_type, detail = type(err).__name__, str(err)
     else:
         what, cause_type, detail = _describe(err), type(err).__name__, ""

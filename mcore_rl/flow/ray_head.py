@@ -31,8 +31,7 @@ CONNECT_TIMEOUT_S = 1.0
 def head_processes() -> dict[str, Any]:
     """{"GCS server" | "raylet": its ``Popen``} of the Ray node this process started; empty
     when it joined a cluster (or Ray is not running)."""
-    ray = ray_shim.require()
-    node = getattr(ray._private.worker, "_global_node", None)  # noqa: SLF001 - the shim's
+    node = ray_shim.ray_node()
     found = {}
     for kind, name in (("gcs_server", "GCS server"), ("raylet", "raylet")):
         infos = getattr(node, "all_processes", {}).get(kind) or []
@@ -42,9 +41,7 @@ def head_processes() -> dict[str, Any]:
 
 
 def gcs_address() -> str | None:
-    ray = ray_shim.require()
-    node = getattr(ray._private.worker, "_global_node", None)  # noqa: SLF001
-    return getattr(node, "gcs_address", None)
+    return getattr(ray_shim.ray_node(), "gcs_address", None)
 
 
 def _answers(address: str) -> bool:

@@ -101,11 +101,16 @@ def actor_class(cls: type) -> Any:
     return require().remote(cls)
 
 
+def ray_node() -> Any:
+    """Ray's record of the node this process is connected to (its session, addresses and,
+    when this process started it, its processes), or None."""
+    return getattr(require()._private.worker, "_global_node", None)  # noqa: SLF001 - only here
+
+
 def session_dir() -> str | None:
     """The directory of the Ray session this process is connected to (its ``logs/`` hold
     every Ray process's output), or None."""
-    ray = require()
-    node = getattr(ray._private.worker, "_global_node", None)  # noqa: SLF001 - only here
+    node = ray_node()
     return node.get_session_dir_path() if node is not None else None
 
 

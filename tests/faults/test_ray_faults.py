@@ -24,6 +24,7 @@ import pytest
 
 from mcore_rl.engines import owner_watch
 from mcore_rl.flow import ray_head
+from tests.rl.test_resume_after_kill import wait_for_step
 
 flow_launch = importlib.import_module("mcore_rl.flow.launch")  # the module, not `launch`
 REPO = Path(__file__).resolve().parents[2]
@@ -47,11 +48,8 @@ def start_run(log_dir: Path, extra: list[str]) -> subprocess.Popen:
 
 
 def wait_for_step_1(proc: subprocess.Popen, log_dir: Path) -> dict:
-    metrics, deadline = log_dir / "metrics.jsonl", time.monotonic() + START_WITHIN_S
-    while not (metrics.exists() and metrics.read_text().strip()):
-        assert proc.poll() is None, f"the run ended before step 1: {console(log_dir)[-3000:]}"
-        assert time.monotonic() < deadline, "the run did not reach step 1"
-        time.sleep(0.2)
+    """Once step 1 is logged: the run's `processes.json`."""
+    wait_for_step(log_dir, 1, proc, timeout_s=START_WITHIN_S)
     return json.loads((log_dir / "processes.json").read_text())
 
 
