@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from mcore_rl.kernels._impl import resolve_impl
 from mcore_rl.kernels.token_logprobs import backend_for, check_inputs
+from mcore_rl.kernels.token_logprobs.function import outputs, truncated_stats
+from mcore_rl.kernels.token_logprobs.truncation import Truncation, first_candidates, top_candidates
 from mcore_rl.kernels.token_logprobs.vocab_parallel import combine_stats, vocab_shard
 
 __all__ = ["linear_token_logprobs"]
@@ -18,35 +20,55 @@ __all__ = ["linear_token_logprobs"]
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, shard, temperature, chunk_size, return_entropy, backend, reduce_grad):
+    def forward(ctx, hidden, weight, labels, shard, temperature, chunk_size, return_entropy, backend, reduce_grad,
+                trunc=Truncation(), return_kept=False):
         h = hidden.reshape(-1, hidden.shape[-1])
         lab = labels.reshape(-1).contiguous()  # kernels index labels with unit stride
         n = h.shape[0]
         f32 = dict(dtype=torch.float32, device=h.device)
+        active = trunc.active_for(shard.local_size * shard.world_size)
+        stats_entropy = return_entropy and not active  # a truncated entropy comes from the kept set
         row_max, log_sum, tgt = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
-        ent = torch.empty(n, **f32) if return_entropy else None
+        ent = torch.empty(n, **f32) if stats_entropy else None
+        first = first_candidates(trunc, shard) if active else 0
+        cand = torch.empty(n, first, **f32) if first else None
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             logits = torch.matmul(h[s:e], weight.t())  # [chunk, V_local], freed each iteration
-            c_max, c_log_sum, c_ent, c_tgt = backend.row_stats(logits, lab[s:e], shard, temperature, return_entropy)
+            c_max, c_log_sum, c_ent, c_tgt = backend.row_stats(logits, lab[s:e], shard, temperature, stats_entropy)
             row_max[s:e], log_sum[s:e], tgt[s:e] = c_max, c_log_sum, c_tgt
             if ent is not None:
                 ent[s:e] = c_ent
+            if cand is not None:  # the kept set's first candidates, from the logits at hand
+                cand[s:e] = top_candidates(logits[:, :shard.n_valid], first)
             del logits  # before the next chunk's GEMM: one chunk of logits alive, not two
         row_max, log_sum, ent, tgt = combine_stats(row_max, log_sum, ent, tgt, shard, temperature)
+
+        def candidates(k: int) -> torch.Tensor:
+            if k == first:
+                return cand
+            out = torch.empty(n, k, **f32)  # more than the first pass took: the GEMMs again
+            for s in range(0, n, chunk_size):
+                out[s:s + chunk_size] = top_candidates(
+                    torch.matmul(h[s:s + chunk_size], weight.t())[:, :shard.n_valid], k)
+            return out
+
+        log_sum, ent, threshold, kept = truncated_stats(candidates, shard, trunc, temperature, row_max,
+                                                        log_sum, ent, tgt, return_entropy)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, lab, row_max, log_sum, ent)
-        ctx.cfg = (shard, temperature, chunk_size, backend, reduce_grad)
-        lp = (tgt - row_max).div_(temperature).sub_(log_sum).view(labels.shape)
-        return (lp, ent.view(labels.shape)) if return_entropy else lp
+        ctx.save_for_backward(hidden, weight, lab, row_max, log_sum, ent, threshold)
+        ctx.cfg = (shard, temperature, chunk_size, backend, reduce_grad, return_entropy)
+        lp = (tgt - row_max).div_(temperature).sub_(log_sum)
+        return outputs(lp, ent, kept, labels.shape, return_entropy, return_kept, ctx)
 
     @staticmethod
-    def backward(ctx, grad_lp, grad_ent=None):
-        hidden, weight, lab, row_max, log_sum, ent = ctx.saved_tensors
-        shard, temperature, chunk_size, backend, reduce_grad = ctx.cfg
+    def backward(ctx, grad_lp, *more):
+        hidden, weight, lab, row_max, log_sum, ent, threshold = ctx.saved_tensors
+        shard, temperature, chunk_size, backend, reduce_grad, return_entropy = ctx.cfg
+        grad_ent = more[0] if return_entropy else None  # a kept-flags output has no gradient
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_lp is None and grad_ent is None) or not (need_h or need_w):
-            return (None,) * 9
+            return (None,) * 11
         h = hidden.reshape(-1, hidden.shape[-1])
         g_lp = grad_lp.reshape(-1) if grad_lp is not None else None
         g_ent = grad_ent.reshape(-1) if grad_ent is not None else None
@@ -60,6 +82,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             grad_logits = backend.row_grad(
                 logits, lab[s:e], shard, temperature, row_max[s:e], log_sum[s:e], None if ent is None else ent[s:e],
                 None if g_lp is None else g_lp[s:e], None if g_ent is None else g_ent[s:e], out=logits,
+                threshold=None if threshold is None else threshold[s:e],
             )
             if need_h:
                 torch.matmul(grad_logits, weight, out=grad_h[s:e])
@@ -72,6 +95,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=shard.group)
         return (
             grad_h.view(hidden.shape) if need_h else None, grad_w, None, None, None, None, None, None, None,
+            None, None,
         )
 
 
@@ -87,6 +111,9 @@ def linear_token_logprobs(
     return_entropy: bool = False,
     impl: str = "auto",
     all_reduce_hidden_grad: bool = True,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    return_kept: bool = False,
 ):
     """log p(label) of ``hidden @ weight.T`` per token without materialising all the logits.
 
@@ -102,6 +129,8 @@ def linear_token_logprobs(
     through a region whose backward already reduces it (Megatron's
     copy_to_tensor_model_parallel_region / sequence-parallel gather). The weight gradient is
     accumulated over chunks in the weight's dtype.
+    top_k, top_p, return_kept: the sampling truncation, as for ``token_logprobs`` (its first
+    candidates per row are taken from each chunk's logits in the same pass).
     """
     which = resolve_impl(impl, hidden)
     if which == "reference":
@@ -110,15 +139,17 @@ def linear_token_logprobs(
 
         return token_logprobs(
             logits, labels, vocab_size=vocab_size, tp_group=tp_group, temperature=temperature,
-            return_entropy=return_entropy, impl="reference",
+            return_entropy=return_entropy, impl="reference", top_k=top_k, top_p=top_p,
+            return_kept=return_kept,
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    trunc = Truncation(int(top_k), float(top_p))
     shard = vocab_shard(weight.shape[0], vocab_size, tp_group)
     check_inputs(labels, hidden.shape[:-1], shard, vocab_size, temperature)
     return _LinearTokenLogprobs.apply(
         hidden, weight, labels.long(), shard, float(temperature), int(chunk_size), bool(return_entropy),
-        backend_for(which), bool(all_reduce_hidden_grad),
+        backend_for(which), bool(all_reduce_hidden_grad), trunc, bool(return_kept),
     )

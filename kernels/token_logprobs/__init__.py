@@ -1,8 +1,9 @@
 """Per-token log-probabilities (and entropy) of labels under logits, without a full fp32 copy.
 
 Convention (shared by every path): log-probs are ``log_softmax(logits[..., :vocab_size] /
-temperature)`` in fp32, read at the label; never truncated by top-k / top-p; padded vocabulary
-columns (ids >= vocab_size) are excluded.
+temperature)`` in fp32, read at the label; padded vocabulary columns (ids >= vocab_size) are
+excluded. With ``top_k`` / ``top_p`` they are those of the truncated distribution an engine
+samples from (``truncation.py``).
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from mcore_rl.kernels._impl import resolve_impl
 from mcore_rl.kernels.token_logprobs import cpu as _cpu_backend
 from mcore_rl.kernels.token_logprobs.function import TokenLogprobsFunction
 from mcore_rl.kernels.token_logprobs.reference import token_logprobs_reference
+from mcore_rl.kernels.token_logprobs.truncation import Truncation
 from mcore_rl.kernels.token_logprobs.vocab_parallel import VocabShard, vocab_shard
 
-__all__ = ["token_logprobs", "token_logprobs_reference", "backend_for", "check_inputs"]
+__all__ = ["token_logprobs", "token_logprobs_reference", "backend_for", "check_inputs", "Truncation"]
 
 
 def backend_for(which: str):
@@ -51,6 +53,9 @@ def token_logprobs(
     return_entropy: bool = False,
     impl: str = "auto",
     inplace_backward: bool = False,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    return_kept: bool = False,
 ):
     """log p(label) per token, fp32, differentiable w.r.t. ``logits``.
 
@@ -65,20 +70,29 @@ def token_logprobs(
     impl: "auto" (Triton on CUDA when available, else "cpu"), "reference", "cpu", "triton".
     inplace_backward: the backward writes the logits gradient into the logits buffer (which
         must be contiguous and not needed afterwards) instead of allocating another [N, V].
+    top_k, top_p: the truncation the tokens were sampled with (after the temperature, top-k
+        first, top-p over what it keeps); log-probs and entropy are then those of the kept
+        set renormalised, and their gradient is 0 outside it. A label outside the kept set
+        (one the sampler could not have picked from these logits) gets ``z_label - log sum
+        over the kept set of exp(z)``, finite; mask such tokens out with ``return_kept``.
+    return_kept: also return [...] bool, whether each label is in the kept set (all True
+        without truncation).
 
-    Returns ``logp`` [...] or ``(logp, entropy)``. The forward reads the logits without
+    Returns ``logp`` [...], then ``entropy`` and ``kept`` when asked for, as a tuple. The forward reads the logits without
     modifying them and never materialises a [N, V] fp32 log-softmax (except impl="reference").
     """
     which = resolve_impl(impl, logits)
+    trunc = Truncation(int(top_k), float(top_p))
     shard = vocab_shard(logits.shape[-1], vocab_size, tp_group)
     check_inputs(labels, logits.shape[:-1], shard, vocab_size, temperature)
     if which == "reference":
         if shard.group is not None:
             raise ValueError("impl='reference' works on unsharded logits only (no tp_group of size > 1)")
         return token_logprobs_reference(
-            logits, labels, vocab_size=vocab_size, temperature=temperature, return_entropy=return_entropy
+            logits, labels, vocab_size=vocab_size, temperature=temperature, return_entropy=return_entropy,
+            top_k=trunc.top_k, top_p=trunc.top_p, return_kept=return_kept,
         )
     return TokenLogprobsFunction.apply(
         logits, labels.long(), shard, float(temperature), bool(return_entropy), bool(inplace_backward),
-        backend_for(which),
+        backend_for(which), trunc, bool(return_kept),
     )

@@ -81,13 +81,15 @@ def row_grad(
     grad_lp: torch.Tensor | None,
     grad_ent: torch.Tensor | None,
     out: torch.Tensor,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient w.r.t. x of sum(grad_lp * logp[label] + grad_ent * entropy), written into out.
 
     x, out: [N, V_local] (out may be x itself: each chunk is read before it is written);
     row_max, log_sum, ent: [N] global statistics from the forward; grad_lp, grad_ent: [N] or None.
     With p = softmax(z), z = x / T:  dz_j = grad_lp (1[j = label] - p_j) - grad_ent p_j (log p_j + H),
-    dx = dz / T, and 0 on padded columns.
+    dx = dz / T, and 0 on padded columns. With ``threshold`` [N] (a truncated distribution,
+    see ``truncation.py``; log_sum and ent are then the kept set's) p_j is 0 where x_j is below it.
     """
     n, v = x.shape[0], shard.n_valid
     if v < x.shape[1]:
@@ -122,6 +124,8 @@ def row_grad(
             # -grad_lp p_j = -grad_lp exp(z - max) / S: the 1/S folds into the row factor
             scale = g_lp[s:e] * torch.exp(-log_sum[s:e])
             grad = d.exp_().mul_(scale.neg_()[:, None])
+        if threshold is not None:
+            grad.masked_fill_(xc < threshold[s:e, None], 0.0)
         if g_lp is not None:
             add = torch.where(owned[s:e], g_lp[s:e], torch.zeros_like(g_lp[s:e]))
             grad.scatter_add_(1, local[s:e, None], add[:, None])

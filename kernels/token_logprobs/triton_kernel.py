@@ -63,8 +63,9 @@ def _row_stats_kernel(
 @triton.jit
 def _row_grad_kernel(
     x_ptr, stride_x, out_ptr, stride_out, lab_ptr, max_ptr, logsum_ptr, ent_ptr, glp_ptr, gent_ptr,
-    n_rows, n_cols, n_valid, vocab_start, temperature,
-    HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    thr_ptr, n_rows, n_cols, n_valid, vocab_start, temperature,
+    HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, HAS_THR: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n_rows
@@ -78,6 +79,8 @@ def _row_grad_kernel(
     if HAS_GENT:
         gent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) * inv_t
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_THR:  # a truncated distribution: p is 0 below the kept set's threshold
+        thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0)
     local = tl.load(lab_ptr + rows, mask=row_ok, other=0).to(tl.int64) - vocab_start
     cols0 = tl.arange(0, BLOCK_V)
     for v0 in range(0, n_cols, BLOCK_V):
@@ -87,6 +90,8 @@ def _row_grad_kernel(
         # as in the forward: (x - max) / T - log_sum, exact where logits are huge
         logp = (x - row_max[:, None]) / temperature - log_sum[:, None]
         p = tl.exp(logp)
+        if HAS_THR:
+            p = tl.where(x >= thr[:, None], p, 0.0)
         g = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
         if HAS_GLP:
             g = tl.where(cols[None, :] == local[:, None], glp[:, None], 0.0) - p * glp[:, None]
@@ -122,7 +127,8 @@ def row_stats(x: torch.Tensor, labels: torch.Tensor, shard: VocabShard, temperat
     return row_max, log_sum, ent, tgt
 
 
-def row_grad(x, labels, shard: VocabShard, temperature: float, row_max, log_sum, ent, grad_lp, grad_ent, out):
+def row_grad(x, labels, shard: VocabShard, temperature: float, row_max, log_sum, ent, grad_lp, grad_ent, out,
+             threshold=None):
     """See ``cpu.row_grad``; ``out`` may be ``x`` (each tile is read before it is written)."""
     check_launchable(x)
     n, n_cols = x.shape
@@ -134,8 +140,9 @@ def row_grad(x, labels, shard: VocabShard, temperature: float, row_max, log_sum,
         ent if grad_ent is not None else log_sum,
         grad_lp.contiguous() if grad_lp is not None else log_sum,
         grad_ent.contiguous() if grad_ent is not None else log_sum,
+        threshold if threshold is not None else log_sum,
         n, n_cols, shard.n_valid, shard.start, float(temperature),
-        HAS_GLP=grad_lp is not None, HAS_GENT=grad_ent is not None,
+        HAS_GLP=grad_lp is not None, HAS_GENT=grad_ent is not None, HAS_THR=threshold is not None,
         BLOCK_N=block_n, BLOCK_V=block_v, num_warps=warps,
     )
     return out

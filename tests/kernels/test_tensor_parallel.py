@@ -108,3 +108,59 @@ def test_linear_token_logprobs_tp2_equals_tp1_forward_and_backward(world):
     partial_sum = sum(out["partial_grad_hidden"][0] for out in results)
     torch.testing.assert_close(partial_sum, results[0]["partial_grad_hidden"][1], rtol=1e-4, atol=1e-5)
     assert not torch.allclose(results[0]["partial_grad_hidden"][0], partial_sum), "not reduced when asked not to"
+
+
+def _check_truncated(rank: int, world_size: int, seed: int):
+    import torch
+    import torch.distributed as dist
+
+    from mcore_rl.kernels import linear_token_logprobs, token_logprobs
+    from mcore_rl.kernels.token_logprobs import token_logprobs_reference, truncation
+
+    truncation.INITIAL_CANDIDATES = 8  # flat rows then need several rounds of candidates
+    g = torch.Generator().manual_seed(seed)
+    padded, vocab_size, n, hidden = 96, 90, 24, 16
+    local = padded // world_size
+    out = {}
+    for top_k, top_p in ((-1, 0.8), (20, 0.9), (7, 1.0), (-1, 0.97)):
+        h = torch.randn(n, hidden, generator=g)
+        weight = torch.randn(padded, hidden, generator=g) * (0.3 if top_p > 0.95 else 1.0)
+        logits = h @ weight.t()
+        labels = torch.randint(0, vocab_size, (n,), generator=g)
+        labels[::2] = logits[::2, :vocab_size].argmax(-1)  # inside the kept set; the rest mostly not
+        w = torch.randn(n, generator=g)
+        kw = dict(vocab_size=vocab_size, temperature=0.9, top_k=top_k, top_p=top_p, return_entropy=True,
+                  return_kept=True)
+        mine = logits[:, rank * local:(rank + 1) * local].clone().requires_grad_(True)
+        lp, ent, kept = token_logprobs(mine, labels, tp_group=dist.group.WORLD, impl="cpu", **kw)
+        (lp * w + 0.5 * ent).sum().backward()
+        my_h, my_w = h.clone().requires_grad_(True), weight[rank * local:(rank + 1) * local].clone().requires_grad_(True)
+        flp, fent, fkept = linear_token_logprobs(my_h, my_w, labels, tp_group=dist.group.WORLD, chunk_size=5,
+                                                 impl="cpu", **kw)
+        (flp * w + 0.5 * fent).sum().backward()
+        ref = logits.clone().requires_grad_(True)
+        rlp, rent, rkept = token_logprobs_reference(ref, labels, **kw)
+        (rlp * w + 0.5 * rent).sum().backward()
+        ref_h = h.clone().requires_grad_(True)
+        ref_w = weight.clone().requires_grad_(True)
+        hlp, hent, _ = token_logprobs_reference(ref_h @ ref_w.t(), labels, **kw)
+        (hlp * w + 0.5 * hent).sum().backward()
+        key = f"top_k={top_k},top_p={top_p}"
+        out[key] = {
+            "logp": (lp.detach(), rlp.detach()), "entropy": (ent.detach(), rent.detach()),
+            "kept": (kept.float(), rkept.float()),
+            "grad": (mine.grad, ref.grad[:, rank * local:(rank + 1) * local]),
+            "fused logp": (flp.detach(), rlp.detach()), "fused kept": (fkept.float(), rkept.float()),
+            "fused grad_hidden": (my_h.grad, ref_h.grad),
+            "fused grad_weight": (my_w.grad, ref_w.grad[rank * local:(rank + 1) * local]),
+        }
+    return out
+
+
+def test_truncated_logprobs_tp2_equal_tp1_for_the_logits_and_the_fused_head(world):
+    for rank, cases in enumerate(world.run(_check_truncated, 3)):
+        for key, outputs in cases.items():
+            assert 0 < outputs["kept"][1].sum() < len(outputs["kept"][1]), f"{key}: labels all in or all out"
+            for name, (ours, ref) in outputs.items():
+                torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"rank {rank}, {key}, {name}: {m}")

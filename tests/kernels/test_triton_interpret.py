@@ -59,6 +59,10 @@ def test_triton_inplace_backward_reuses_the_logits_buffer(interpreted):
     _check(interpreted, "logprobs/inplace-backward/")
 
 
+def test_triton_truncated_logprobs_backward_matches_reference(interpreted):
+    _check(interpreted, "truncated/")
+
+
 def test_triton_linear_token_logprobs_matches_reference(interpreted):
     _check(interpreted, "linear/")
 

@@ -52,6 +52,26 @@ def logprob_cases(results: dict) -> None:
         torch.tensor(float(grad.data_ptr() == leaf.data_ptr())), torch.tensor(1.0), torch.float32, "exact")
 
 
+# (name, top_k, top_p): the backward masks p outside the kept set; the forward's statistics
+# are the untruncated kernel's, the kept set's come from torch (any device)
+TRUNCATION_CASES = [("top-p-0.8", -1, 0.8), ("top-k-7", 7, 1.0), ("top-k-20-top-p-0.9", 20, 0.9)]
+
+
+def truncated_cases(results: dict) -> None:
+    for name, top_k, top_p in TRUNCATION_CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = make_logits((5, 2), 150, dtype, seed=11, extreme=False)
+            lab = make_labels((5, 2), 147, seed=11)
+            w = output_weights(2, (5, 2), seed=11)
+            kw = dict(vocab_size=147, temperature=0.8, return_entropy=True, top_k=top_k, top_p=top_p)
+            ours = forward_backward(token_logprobs, x, lab, w, impl="triton", **kw)
+            ref = forward_backward(token_logprobs_reference, x, lab, w, **kw)
+            key = f"truncated/{name}/{str(dtype)[6:]}"
+            for i, (o, r) in enumerate(zip(ours[0], ref[0])):
+                results[f"{key}/out{i}"] = (o, r, dtype, "logp")
+            results[f"{key}/grad"] = (ours[1], ref[1], dtype, "grad")
+
+
 def linear_cases(results: dict) -> None:
     g = torch.Generator().manual_seed(0)
     h = torch.randn(4, 3, 16, generator=g)
@@ -94,6 +114,7 @@ def gae_cases(results: dict) -> None:
 def main(argv: list[str]) -> int:
     results: dict = {}
     logprob_cases(results)
+    truncated_cases(results)
     linear_cases(results)
     gae_cases(results)
     torch.save(results, argv[0])
