@@ -189,11 +189,16 @@ def mismatch_sums(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
 
 
 def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """``rollout/*`` metrics from `mismatch_sums` added up over a step ({} without tokens)."""
+    """``rollout/*`` metrics from `mismatch_sums` added up over a step ({} without tokens),
+    and ``rollout/outside_kept_set``, the fraction of response tokens outside the trainer's
+    kept set of a truncated distribution (when the loss reported it)."""
+    out = {}
+    if sums.get("mismatch_response_tokens"):
+        out["rollout/outside_kept_set"] = sums["mismatch_outside_kept"] / sums["mismatch_response_tokens"]
     n = sums.get("mismatch_tokens", 0.0)
     if not n:
-        return {}
-    return {"rollout/token_mult_prob_error": sums["mismatch_mult_sum"] / n,
+        return out
+    return {**out, "rollout/token_mult_prob_error": sums["mismatch_mult_sum"] / n,
             "rollout/logprob_abs_diff_mean": sums["mismatch_abs_sum"] / n,
             "rollout/logprob_abs_diff_max": sums["mismatch_abs_max"],
             "rollout/ratio_outside_band_frac": sums["mismatch_outside"] / n,

@@ -144,9 +144,17 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; log-probs use the same temperature."""
     top_p: float = 1.0
-    """Nucleus sampling; < 1 biases the policy gradient (a warning is printed)."""
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches
+    top_p (< 1). The engine's log-probs and the trainer's are then those of that truncated
+    distribution, renormalised (see ``renormalize_truncated``)."""
     top_k: int = -1
-    """Top-k sampling; -1 disables (other values warn as for top_p)."""
+    """Top-k sampling: sample from the top_k most likely tokens (before top_p); -1 disables."""
+    renormalize_truncated: bool = True
+    """With top_p < 1 or top_k > 0, the trainer computes every log-prob under the same
+    truncation, renormalised over the kept set (the distribution the tokens were sampled
+    from); a sampled token outside the trainer's kept set is masked out of the loss and
+    counted (``rollout/outside_kept_set``). False: the full softmax, which biases every
+    importance ratio by the kept mass (for comparison only)."""
     truncated_response: Literal["mask", "penalize", "keep"] = "keep"
     """Responses cut at max_new_tokens: excluded from the loss, given the minimum reward, or kept."""
     gpu_memory_utilization: float = 0.5

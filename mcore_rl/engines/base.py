@@ -1,10 +1,10 @@
 """The rollout-engine interface: generate with per-token log-probs, take new weights, sleep.
 
 Log-prob convention (shared with the trainer and the kernels): the log-prob of a sampled
-token is ``log_softmax(logits[..., :vocab] / temperature)`` in fp32, *untruncated* by top-k /
-top-p. An engine reports exactly that only when top_p = 1 and top_k = -1 (the defaults);
-`SamplingConfig` warns when they are changed, because truncated sampling then differs from
-the distribution the trainer's log-probs describe.
+token is that of the distribution it was sampled from: ``log_softmax(logits[..., :vocab] /
+temperature)`` in fp32, truncated by top-k and then top-p when they are set and renormalised
+over the kept set (vLLM's ``processed_logprobs``; `mcore_rl.kernels.token_logprobs` with
+``top_k`` / ``top_p`` computes the same in the trainer).
 
 Weight updates arrive as a session of buckets (`mcore_rl.reshard`): ``begin_update`` ->
 ``load_bucket`` per bucket -> ``finish_update`` (or ``abort_update``). Every sample records
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -33,9 +32,9 @@ class SamplingConfig:
     temperature: float = 1.0
     """Softmax temperature; 0 is greedy. Log-probs are of logits / temperature."""
     top_p: float = 1.0
-    """Nucleus sampling; < 1 truncates the distribution (warned)."""
+    """Nucleus sampling; < 1 truncates the distribution (after top-k)."""
     top_k: int = -1
-    """Top-k sampling; -1 disables; other values truncate the distribution (warned)."""
+    """Top-k sampling; -1 disables."""
     max_new_tokens: int = 64
     """Longest response."""
     min_new_tokens: int = 0
@@ -48,12 +47,6 @@ class SamplingConfig:
     return_routes: bool = False
     """Mixture-of-experts models: also report the experts each token was routed to
     (`RolloutSample.routes`; for an engine whose registry entry says ``returns_routes``)."""
-
-    def __post_init__(self) -> None:
-        if self.top_p != 1.0 or self.top_k != -1:
-            warnings.warn(f"top_p={self.top_p}, top_k={self.top_k}: engine log-probs stay "
-                          "untruncated (log_softmax(logits / T)) but samples come from the "
-                          "truncated distribution, which biases the policy gradient", stacklevel=3)
 
     def request_seed(self, i: int) -> int | None:
         return None if self.seed is None else self.seed + i

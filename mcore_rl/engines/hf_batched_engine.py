@@ -99,14 +99,17 @@ class HFBatchedEngine(HFEngine):
         for t in range(sampling.max_new_tokens):
             logits = out.logits[:, -1, :self.vocab_size].float()
             del out
-            lp = torch.log_softmax(logits / temperature, dim=-1)
-            scores = logits  # lp is taken: the sampling masks may write into them
+            scores = logits
             if t < sampling.min_new_tokens and len(maskable):
                 scores[:, maskable] = float("-inf")
             if greedy:
+                lp = torch.log_softmax(scores, dim=-1)
                 chosen = scores.argmax(-1)
             else:
-                probs = torch.softmax(truncate(scores / temperature, sampling.top_k, sampling.top_p), dim=-1)
+                # the log-probs of the distribution sampled from (vLLM's processed_logprobs)
+                processed = truncate(scores / temperature, sampling.top_k, sampling.top_p)
+                lp = torch.log_softmax(processed, dim=-1)
+                probs = torch.softmax(processed, dim=-1)
                 chosen = torch.cat([torch.multinomial(probs[k * n:(k + 1) * n], 1, generator=generators[g])[:, 0]
                                     for k, g in enumerate(groups)])
             live = ~ended[row_ids]

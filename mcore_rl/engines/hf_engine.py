@@ -2,7 +2,8 @@
 
 No batching across prompts and no KV-cache reuse between calls: meant for tiny models,
 tests and machines without vLLM. Log-probs follow mcore-rl's convention
-(``log_softmax(logits / T)`` of the raw logits, untruncated; greedy uses T = 1), and sampling
+(the log-softmax of the scores generate samples from: after its processors, temperature,
+top-k and top-p; greedy uses T = 1), and sampling
 follows the `SamplingConfig` alone (a checkpoint's own sampling defaults are dropped). Each request
 is sampled from its own seeded generator state, so a (prompt, seed) pair always gives the
 same samples. Weight updates read the same shared-memory buckets as the other engines and
@@ -107,12 +108,12 @@ class HFEngine(RolloutEngine):
             top_k=None if greedy or sampling.top_k < 1 else sampling.top_k,
             max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens or None,
             num_return_sequences=rows,
-            eos_token_id=list(stop) or None, pad_token_id=0, output_logits=True,
+            eos_token_id=list(stop) or None, pad_token_id=0, output_scores=True,
             return_dict_in_generate=True)
-        temperature = 1.0 if greedy else sampling.temperature
-        # logits [steps, rows, V] of the raw model, before any sampling processor.
-        logits = torch.stack(out.logits).float()[..., :self.vocab_size] / temperature
-        logprobs = torch.log_softmax(logits, dim=-1)
+        # scores [steps, rows, V] after generate's processors (min-new-tokens mask,
+        # temperature, top-k, top-p): the log-probs of the distribution sampled from
+        scores = torch.stack(out.scores).float()[..., :self.vocab_size]
+        logprobs = torch.log_softmax(scores, dim=-1)
         routes = recorder.take(rows) if recorder is not None else None
         for j in range(sampling.n):
             row = j % rows

@@ -15,7 +15,7 @@ import torch
 
 from mcore_rl.algos import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_per_token
 from mcore_rl.algos.losses import mismatch_metrics
-from mcore_rl.algos.objective import FRESH, actor_loss_fn, critic_loss_fn
+from mcore_rl.algos.objective import FRESH, KEPT, actor_loss_fn, critic_loss_fn
 from mcore_rl.data.batch import Batch
 from mcore_rl.engines import sampling_from_config
 from mcore_rl.errors import MismatchError, NonFiniteError
@@ -171,6 +171,20 @@ def on_policy(cfg) -> bool:
     return cfg.algorithm.ppo_epochs == 1 and cfg.algorithm.mini_batches == 1
 
 
+def truncation(cfg) -> dict:
+    """The sampling truncation trainer log-probs describe: ``rollout.top_k`` / ``top_p`` (none
+    with ``rollout.renormalize_truncated: false``), as `TrainEngine` keyword arguments."""
+    r = cfg.rollout
+    if not r.renormalize_truncated or (r.top_k <= 0 and r.top_p >= 1.0):
+        return {}
+    return {"top_k": r.top_k, "top_p": r.top_p}
+
+
+def with_kept(batch: Batch, out: dict, field: str) -> Batch:
+    """``batch`` with ``out``'s kept flags as ``field``, when the log-probs were truncated."""
+    return batch.with_tensors(**{field: out[KEPT]}) if KEPT in out else batch
+
+
 def old_logprobs(state, batch: Batch) -> Batch:
     """The trainer's log-probs under the weights that generated the batch. With
     ``moe.routing_replay: old_logprob`` also the experts each token was routed to
@@ -180,24 +194,28 @@ def old_logprobs(state, batch: Batch) -> Batch:
     if on_policy(state.cfg):
         return batch  # filled in by the first (and only) update from its own forward
     record = state.cfg.moe.routing_replay == "old_logprob"
-    out = state.actor.forward(batch, temperature=temperature, record_routes=record)
-    batch = batch.with_tensors(old_logprobs=out["logprobs"])
+    out = state.actor.forward(batch, temperature=temperature, record_routes=record,
+                              **truncation(state.cfg))
+    batch = with_kept(batch.with_tensors(old_logprobs=out["logprobs"]), out, "old_kept")
     return batch.with_tensors(routes=out["routes"]) if "routes" in out else batch
 
 
 def reference_logprobs(state, batch: Batch) -> Batch:
-    """The frozen reference's log-probs (``ref_logprobs``), when a KL term is configured."""
+    """The frozen reference's log-probs (``ref_logprobs``), when a KL term is configured.
+    Under a sampling truncation they are those of the reference's own truncated distribution,
+    and ``ref_kept`` marks the tokens it could have sampled (the KL is taken over those)."""
     if state.reference is None:
         return batch
     temperature = state.cfg.rollout.temperature or 1.0
-    ref = state.reference.forward(batch, temperature=temperature)["logprobs"]
-    return batch.with_tensors(ref_logprobs=ref)
+    out = state.reference.forward(batch, temperature=temperature, **truncation(state.cfg))
+    return with_kept(batch.with_tensors(ref_logprobs=out["logprobs"]), out, "ref_kept")
 
 
 def rollout_kl(state, batch: Batch) -> torch.Tensor:
     """[B, T] per-token KL(policy || reference) of the rollout batch, 0 off the response."""
-    return kl_per_token(batch.policy_logprobs, batch["ref_logprobs"],
-                        state.cfg.algorithm.kl_estimator) * batch["response_mask"]
+    kl = kl_per_token(batch.policy_logprobs, batch["ref_logprobs"],
+                      state.cfg.algorithm.kl_estimator) * batch["response_mask"]
+    return kl * batch["ref_kept"] if "ref_kept" in batch else kl
 
 
 def kl_penalty(state, batch: Batch) -> Batch:
@@ -265,7 +283,7 @@ def update_actor(state, batch: Batch) -> dict[str, float]:
         for mb in _mini_batches(batch, a.mini_batches, epoch, state.cfg.train.seed + state.step):
             fn = _with_current_as_old(loss) if not results else loss
             results.append(state.actor.train_batch(mb, fn, temperature=temperature,
-                                                   with_entropy=True))
+                                                   with_entropy=True, **truncation(state.cfg)))
     skipped = skipped_updates(state, "actor", results)
     last = results[-1]
     mismatch = mismatch_metrics(_summed(results[:a.mini_batches], "mismatch_"))

@@ -32,6 +32,9 @@ from mcore_rl.train.routing_replay import ROUTES
 from mcore_rl.train.shared_prompts import (SharedLayout, share_prompts, supports_shared_prompts,
                                            token_positions, unshare)
 
+NO_TRUNCATION = (-1, 1.0)
+"""(top_k, top_p) of an untruncated distribution."""
+
 MAX_SUFFIX = "_max"
 """A loss function's metric whose name ends so is reduced by max over micro-batches and DP
 ranks (and not divided by the units); every other metric is summed and divided."""
@@ -121,8 +124,12 @@ class TrainEngine:
 
     # ----- what the model computes per micro-batch ------------------------------------
     def _head_outputs(self, output: torch.Tensor, mb: Batch, temperature: float,
-                      with_entropy: bool) -> dict[str, torch.Tensor]:
-        """Per-token outputs aligned to the tokens they describe; 0 on padding."""
+                      with_entropy: bool, truncation: tuple[int, float] = NO_TRUNCATION,
+                      ) -> dict[str, torch.Tensor]:
+        """Per-token outputs aligned to the tokens they describe; 0 on padding. With a
+        ``truncation`` (top_k, top_p) that cuts anything, log-probs and entropy are those of
+        the truncated distribution and ``kept`` (1/0) says whether each token is in its kept
+        set."""
         layout = self._layouts.get(id(mb))
         if layout is not None:
             output = unshare(output, layout)
@@ -139,19 +146,20 @@ class TrainEngine:
 
             return response_logprobs(output, self.output_weight, mb, vocab_size=self.vocab_size,
                                      tp_group=tp_group, temperature=temperature,
-                                     with_entropy=with_entropy, impl=self.logprob_impl)
+                                     with_entropy=with_entropy, impl=self.logprob_impl,
+                                     truncation=truncation)
         from mcore_rl.kernels import token_logprobs
 
         ids = mb["input_ids"]
+        truncated = truncation != NO_TRUNCATION
         res = token_logprobs(
             output[:, :-1], ids[:, 1:], vocab_size=self.vocab_size,
             tp_group=tp_group, temperature=temperature,
-            return_entropy=with_entropy, impl=self.logprob_impl)
-        lp, ent = res if with_entropy else (res, None)
-        out = {"logprobs": torch.nn.functional.pad(lp, (1, 0)) * real}
-        if ent is not None:
-            out["entropy"] = torch.nn.functional.pad(ent, (1, 0)) * real
-        return out
+            return_entropy=with_entropy, impl=self.logprob_impl,
+            top_k=truncation[0], top_p=truncation[1], return_kept=truncated)
+        res = list(res) if isinstance(res, tuple) else [res]
+        names = ["logprobs"] + (["entropy"] if with_entropy else []) + (["kept"] if truncated else [])
+        return {name: torch.nn.functional.pad(v.float(), (1, 0)) * real for name, v in zip(names, res)}
 
     def _plan(self, batch: Batch) -> list[list[int]]:
         """This DP rank's micro-batches as index lists into ``batch``. Rows that share a
@@ -283,10 +291,13 @@ class TrainEngine:
     # ----- public API ----------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: Batch, fn: ForwardFn | None = None, *, temperature: float = 1.0,
-                with_entropy: bool = False, record_routes: bool = False) -> dict[str, torch.Tensor]:
+                with_entropy: bool = False, record_routes: bool = False, top_k: int = -1,
+                top_p: float = 1.0) -> dict[str, torch.Tensor]:
         """Forward-only over the batch. Returns ``fn(outputs, micro_batch)`` (default: the
         outputs: ``logprobs``/``entropy`` or ``values``) for every sequence, in batch order,
-        as [B] or [B, T] tensors, on every rank. ``record_routes`` (an MoE model built for
+        as [B] or [B, T] tensors, on every rank. ``top_k`` / ``top_p``: log-probs of the
+        distribution truncated as the engine sampled (``kept`` then says which tokens lie in
+        the kept set; `mcore_rl.kernels.token_logprobs`). ``record_routes`` (an MoE model built for
         routing replay): also the experts every token was routed to, as ``routes`` [B, T, L,
         k] over the model's L layers (`mcore_rl.train.routing_replay`), which a later
         `train_batch` of a batch carrying them replays. A batch that carries ``routes``
@@ -310,7 +321,8 @@ class TrainEngine:
 
             def collect(output_tensor, non_loss_data=True):
                 return {k: v.detach().float().cpu() for k, v in
-                        fn(self._head_outputs(output_tensor, mb, temperature, with_entropy), mb).items()}
+                        fn(self._head_outputs(output_tensor, mb, temperature, with_entropy,
+                                              (top_k, top_p)), mb).items()}
 
             return output, collect
 
@@ -351,9 +363,12 @@ class TrainEngine:
         return routes.to(torch.int16)
 
     def train_batch(self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0,
-                    with_entropy: bool = False, lr: float | None = None) -> StepResult:
+                    with_entropy: bool = False, lr: float | None = None, top_k: int = -1,
+                    top_p: float = 1.0) -> StepResult:
         """One optimizer step over the whole batch (all micro-batches, all DP ranks).
 
+        ``top_k`` / ``top_p``: the loss gets the truncated distribution's outputs (see
+        `forward`).
         ``lr`` overrides the learning rate for this step only; the schedule does not advance.
         A batch carrying ``routes`` (recorded by `forward`) has its tokens routed to those
         experts (routing replay); a mixture-of-experts model reports Megatron's auxiliary
@@ -372,7 +387,8 @@ class TrainEngine:
 
             def loss(output_tensor):
                 total, units, metrics = loss_fn(
-                    self._head_outputs(output_tensor, mb, temperature, with_entropy), mb)
+                    self._head_outputs(output_tensor, mb, temperature, with_entropy,
+                                       (top_k, top_p)), mb)
                 units = torch.as_tensor(units, dtype=torch.int).reshape(())
                 report = {"loss": total.detach().clone().float(), "units": units.float(),
                           **{k: torch.as_tensor(v).detach().clone().float() for k, v in metrics.items()}}

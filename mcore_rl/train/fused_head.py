@@ -53,20 +53,24 @@ def defer_output_layer(chunks: list) -> torch.Tensor | None:
 
 def response_logprobs(hidden: torch.Tensor, weight: torch.Tensor, mb: Batch, *, vocab_size,
                       tp_group, temperature: float, with_entropy: bool, impl: str,
-                      ) -> dict[str, torch.Tensor]:
+                      truncation: tuple[int, float] = (-1, 1.0)) -> dict[str, torch.Tensor]:
     """``hidden`` [b, T, H] -> ``logprobs`` (and ``entropy``) [b, T] fp32, aligned to the token
-    they describe, at response tokens (0 elsewhere)."""
+    they describe, at response tokens (0 elsewhere). A ``truncation`` (top_k, top_p) other
+    than none: those of the truncated distribution, and ``kept`` (1/0) too."""
     from mcore_rl.kernels import linear_token_logprobs
 
     ids = mb["input_ids"]
     target = mb["response_mask"][:, 1:].bool()  # position t predicts token t + 1
+    truncated = truncation != (-1, 1.0)
     res = linear_token_logprobs(hidden[:, :-1][target], weight, ids[:, 1:][target],
                                 vocab_size=vocab_size, tp_group=tp_group, temperature=temperature,
-                                return_entropy=with_entropy, impl=impl)
-    flat = res if with_entropy else (res,)
-    names = ("logprobs", "entropy")[:len(flat)]
+                                return_entropy=with_entropy, impl=impl, top_k=truncation[0],
+                                top_p=truncation[1], return_kept=truncated)
+    flat = list(res) if isinstance(res, tuple) else [res]
+    names = ["logprobs"] + (["entropy"] if with_entropy else []) + (["kept"] if truncated else [])
 
     def place(values: torch.Tensor) -> torch.Tensor:
+        values = values.float()
         out = torch.zeros(target.shape, dtype=values.dtype, device=values.device)
         return torch.nn.functional.pad(out.masked_scatter(target, values), (1, 0))
 

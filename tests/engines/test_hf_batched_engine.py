@@ -33,7 +33,6 @@ def _tokens(rollouts):
     return [(s.prompt_index, s.sample_index, s.token_ids) for s in rollouts]
 
 
-@pytest.mark.filterwarnings("ignore:top_p=")
 @pytest.mark.parametrize("options", [
     dict(temperature=1.0),
     dict(temperature=0.7, top_k=5),
@@ -71,6 +70,22 @@ def test_logprobs_are_those_of_a_plain_forward_over_each_sequence(batched, model
         expected = torch.log_softmax(logits[len(s.prompt_token_ids) - 1:-1] / 0.7, -1)
         expected = expected.gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("truncation", [dict(top_p=0.8), dict(top_k=20)], ids=["top_p", "top_k"])
+def test_truncated_sampling_logprobs_are_the_trainers_truncated_ones(batched, one_by_one, model_dir, truncation):
+    from mcore_rl.kernels import token_logprobs
+
+    model = load_hf(model_dir)
+    sampling = SamplingConfig(n=3, temperature=0.7, max_new_tokens=5, seed=1, **truncation)
+    for engine in (batched, one_by_one):
+        for s in engine.generate(PROMPTS, sampling):
+            with torch.no_grad():
+                logits = model(torch.tensor([s.prompt_token_ids + s.token_ids])).logits[0]
+            expected, kept = token_logprobs(logits[len(s.prompt_token_ids) - 1:-1], torch.tensor(s.token_ids),
+                                            temperature=0.7, return_kept=True, **truncation)
+            assert bool(kept.all())
+            assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-5), type(engine).__name__
 
 
 def test_rows_end_at_their_stop_token_and_their_prompt_leaves_when_all_rows_have(batched, one_by_one):

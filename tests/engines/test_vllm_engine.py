@@ -102,11 +102,27 @@ def test_min_new_tokens_masks_the_stop_token_until_that_length(engine):
     assert stop not in held.token_ids and held.token_ids[:first] == greedy.token_ids[:first]
 
 
-def test_changing_top_p_or_top_k_warns_that_the_distribution_is_truncated():
-    with pytest.warns(UserWarning, match="truncated"):
-        SamplingConfig(top_p=0.9)
-    with pytest.warns(UserWarning, match="truncated"):
-        SamplingConfig(top_k=20)
+@pytest.mark.parametrize("truncation", [dict(top_p=0.8), dict(top_k=20), dict(top_k=20, top_p=0.8)],
+                         ids=["top_p", "top_k", "both"])
+def test_truncated_sampling_logprobs_are_those_of_the_kept_set_renormalised(engine, dirs, truncation):
+    """vLLM's processed log-probs against the trainer's kernel over HF's logits."""
+    from mcore_rl.kernels import token_logprobs
+
+    rollouts = engine.generate(PROMPTS, SamplingConfig(n=3, temperature=0.9, max_new_tokens=8, seed=4,
+                                                       **truncation))
+    model = load_hf(dirs[0])
+    kept_mass_below_one = False
+    for s in rollouts:
+        ids = torch.tensor([s.prompt_token_ids + s.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(s.prompt_token_ids) - 1:-1]
+        tokens = torch.tensor(s.token_ids)
+        expected, kept = token_logprobs(logits, tokens, temperature=0.9, return_kept=True, **truncation)
+        full = token_logprobs(logits, tokens, temperature=0.9)
+        assert bool(kept.all()), "a sampled token outside the kept set"
+        assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-4), (s.logprobs, expected)
+        kept_mass_below_one |= bool((full < expected - 1e-3).any())
+    assert kept_mass_below_one, "the truncation never cut anything: the test shows nothing"
 
 
 @pytest.mark.parametrize("loading,mode", [("auto", "direct"), ("layerwise", "layerwise")])

@@ -26,6 +26,21 @@ def test_gpu_token_logprobs_matches_reference(lead, vocab, vocab_size, temperatu
     torch.testing.assert_close(grad.float(), rgrad.float(), rtol=TOL[dtype]["grad"][0], atol=TOL[dtype]["grad"][1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("top_k,top_p", [(-1, 0.8), (20, 1.0), (50, 0.9)])
+def test_gpu_truncated_token_logprobs_match_reference(top_k, top_p, dtype):
+    x = make_logits((64, 2), 32000, dtype, seed=1, extreme=False).cuda()
+    lab = make_labels((64, 2), 31990, seed=1).cuda()
+    lab[::2] = x[::2, :, :31990].float().argmax(-1)
+    w = [t.cuda() for t in output_weights(2, (64, 2), seed=1)]
+    kw = dict(vocab_size=31990, temperature=0.9, return_entropy=True, top_k=top_k, top_p=top_p)
+    (lp, ent), grad = forward_backward(token_logprobs, x, lab, w, impl="auto", **kw)
+    (rlp, rent), rgrad = forward_backward(token_logprobs_reference, x, lab, w, **kw)
+    torch.testing.assert_close(lp, rlp, rtol=TOL[dtype]["logp"][0], atol=TOL[dtype]["logp"][1])
+    torch.testing.assert_close(ent, rent, rtol=TOL[dtype]["logp"][0], atol=TOL[dtype]["logp"][1])
+    torch.testing.assert_close(grad.float(), rgrad.float(), rtol=TOL[dtype]["grad"][0], atol=TOL[dtype]["grad"][1])
+
+
 def test_gpu_auto_picks_triton_for_cuda_tensors():
     from mcore_rl.kernels import HAS_TRITON
     from mcore_rl.kernels._impl import resolve_impl

@@ -36,6 +36,7 @@ REPLICAS = {"llama-untied": ((1, "separate"), (2, "colocated")),
 PROMPTS = [list(range(3, 43)), list(range(100, 140))]
 NEW_TOKENS = 6
 LOGPROB_TOL = 1e-4
+TRUNCATIONS = ({}, {"top_p": 0.8}, {"top_k": 20})
 BUCKET_MB = 0.1
 _ENGINES: dict = {}  # in rank 0's process: the running replicas, by model
 PID_FILE = f"/tmp/mcore_rl_test_vllm_sync_{os.getpid()}.pids"  # evaluated in the test process
@@ -142,9 +143,12 @@ def _step_and_sync(rank, world_size, variant, hf_dir, pid_file, layout, work):
             train.train_batch(_sft_batch(arch.vocab_size), _sft_loss)
             stats = sync.sync(version=2)
         after = [e.generate(PROMPTS, _greedy()) for e in engines]
-        reports = [verify_engine_logprobs(train, e if rank == 0 else None,
-                                          probe_prompts(arch.vocab_size), temperature=0.7,
-                                          tolerance=LOGPROB_TOL)
+        # untruncated, then vLLM's processed log-probs of top-p and top-k sampling against
+        # the trainer's truncated ones (vocabulary-parallel over its TP ranks)
+        reports = [[verify_engine_logprobs(train, e if rank == 0 else None,
+                                           probe_prompts(arch.vocab_size), temperature=0.7,
+                                           tolerance=LOGPROB_TOL, **trunc)
+                    for trunc in TRUNCATIONS]
                    for e in (engines or [None] * len(REPLICAS[variant]))]
         save_mcore_checkpoint([m.module for m in train.model], f"{work}/ckpt", built.spec,
                               hf_dir, {"tp": tp, "pp": pp})
@@ -176,8 +180,9 @@ def test_after_a_step_vllm_greedy_equals_hf_greedy_of_the_exported_weights(world
         assert result["after"][i] != result["before"][i], f"{where}: greedy tokens must change"
         assert result["versions"][i] == {2}
         assert result["modes"][i] == "direct", where
-        report = result["reports"][i]
-        assert report.tokens >= 16 and report.max_abs_diff <= LOGPROB_TOL, (where, report)
+        for trunc, report in zip(TRUNCATIONS, result["reports"][i]):
+            assert report.tokens >= 16 and report.max_abs_diff <= LOGPROB_TOL, (where, trunc, report)
+            assert report.outside_kept == 0, (where, trunc, report)
 
 
 def _corrupt_bucket_one(k, buffer, manifest):

@@ -83,11 +83,15 @@ def comparable(history: list[dict]) -> list[dict]:
 
 
 def play(name: str, log_dir: str) -> list[dict]:
+    size, overrides = RUNS[name]
+    return comparable(play_overrides(size, BASE + overrides, log_dir))
+
+
+def play_overrides(size: int, overrides: list[str], log_dir: str) -> list[dict]:
+    """The metrics history of the quick start with ``overrides`` on a shared world of ``size``."""
     from tests.world import shared_world
 
-    size, overrides = RUNS[name]
-    history = shared_world(size).run(run_golden, BASE + overrides + [f"logging.dir={log_dir}"])[0]
-    return comparable(history)
+    return shared_world(size).run(run_golden, overrides + [f"logging.dir={log_dir}"])[0]
 
 
 def main(names: list[str]) -> None:
