@@ -12,6 +12,7 @@ import torch.distributed as dist
 from mcore_rl.kernels._impl import resolve_impl
 from mcore_rl.kernels.token_logprobs import backend_for, check_inputs
 from mcore_rl.kernels.token_logprobs.function import outputs, truncated_stats
+from mcore_rl.kernels.token_logprobs.replay import LinearKeptSetLogprobs, check_kept_ids
 from mcore_rl.kernels.token_logprobs.truncation import Truncation, first_candidates, top_candidates
 from mcore_rl.kernels.token_logprobs.vocab_parallel import combine_stats, vocab_shard
 
@@ -114,6 +115,7 @@ def linear_token_logprobs(
     top_k: int = -1,
     top_p: float = 1.0,
     return_kept: bool = False,
+    kept_ids: torch.Tensor | None = None,
 ):
     """log p(label) of ``hidden @ weight.T`` per token without materialising all the logits.
 
@@ -131,6 +133,7 @@ def linear_token_logprobs(
     accumulated over chunks in the weight's dtype.
     top_k, top_p, return_kept: the sampling truncation, as for ``token_logprobs`` (its first
     candidates per row are taken from each chunk's logits in the same pass).
+    kept_ids: [..., K] an engine's kept set per token, as for ``token_logprobs``.
     """
     which = resolve_impl(impl, hidden)
     if which == "reference":
@@ -140,7 +143,7 @@ def linear_token_logprobs(
         return token_logprobs(
             logits, labels, vocab_size=vocab_size, tp_group=tp_group, temperature=temperature,
             return_entropy=return_entropy, impl="reference", top_k=top_k, top_p=top_p,
-            return_kept=return_kept,
+            return_kept=return_kept, kept_ids=kept_ids,
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}")
@@ -149,6 +152,15 @@ def linear_token_logprobs(
     trunc = Truncation(int(top_k), float(top_p))
     shard = vocab_shard(weight.shape[0], vocab_size, tp_group)
     check_inputs(labels, hidden.shape[:-1], shard, vocab_size, temperature)
+    if kept_ids is not None:
+        check_kept_ids(kept_ids, labels.shape)
+        lead = labels.shape
+        res = LinearKeptSetLogprobs.apply(
+            hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1).long(),
+            kept_ids.reshape(-1, kept_ids.shape[-1]), shard, float(temperature), int(chunk_size),
+            bool(return_entropy), bool(return_kept), bool(all_reduce_hidden_grad))
+        res = tuple(r.view(lead) for r in (res if isinstance(res, tuple) else (res,)))
+        return res[0] if len(res) == 1 else res
     return _LinearTokenLogprobs.apply(
         hidden, weight, labels.long(), shard, float(temperature), int(chunk_size), bool(return_entropy),
         backend_for(which), bool(all_reduce_hidden_grad), trunc, bool(return_kept),

@@ -11,8 +11,9 @@ import torch
 
 from mcore_rl.kernels._impl import resolve_impl
 from mcore_rl.kernels.token_logprobs import cpu as _cpu_backend
-from mcore_rl.kernels.token_logprobs.function import TokenLogprobsFunction
+from mcore_rl.kernels.token_logprobs.function import TokenLogprobsFunction, as_rows
 from mcore_rl.kernels.token_logprobs.reference import token_logprobs_reference
+from mcore_rl.kernels.token_logprobs.replay import KeptSetLogprobs, check_kept_ids
 from mcore_rl.kernels.token_logprobs.truncation import Truncation
 from mcore_rl.kernels.token_logprobs.vocab_parallel import VocabShard, vocab_shard
 
@@ -56,6 +57,7 @@ def token_logprobs(
     top_k: int = -1,
     top_p: float = 1.0,
     return_kept: bool = False,
+    kept_ids: torch.Tensor | None = None,
 ):
     """log p(label) per token, fp32, differentiable w.r.t. ``logits``.
 
@@ -77,6 +79,9 @@ def token_logprobs(
         over the kept set of exp(z)``, finite; mask such tokens out with ``return_kept``.
     return_kept: also return [...] bool, whether each label is in the kept set (all True
         without truncation).
+    kept_ids: [..., K] global ids, -1 padded: the kept set of every token as the engine
+        reported it (its sampling mask), used instead of one found from these logits
+        (``replay.py``; top_k / top_p are then not used). A token with no kept id gets 0.
 
     Returns ``logp`` [...], then ``entropy`` and ``kept`` when asked for, as a tuple. The forward reads the logits without
     modifying them and never materialises a [N, V] fp32 log-softmax (except impl="reference").
@@ -85,13 +90,23 @@ def token_logprobs(
     trunc = Truncation(int(top_k), float(top_p))
     shard = vocab_shard(logits.shape[-1], vocab_size, tp_group)
     check_inputs(labels, logits.shape[:-1], shard, vocab_size, temperature)
+    if kept_ids is not None:
+        check_kept_ids(kept_ids, labels.shape)
     if which == "reference":
         if shard.group is not None:
             raise ValueError("impl='reference' works on unsharded logits only (no tp_group of size > 1)")
         return token_logprobs_reference(
             logits, labels, vocab_size=vocab_size, temperature=temperature, return_entropy=return_entropy,
-            top_k=trunc.top_k, top_p=trunc.top_p, return_kept=return_kept,
+            top_k=trunc.top_k, top_p=trunc.top_p, return_kept=return_kept, kept_ids=kept_ids,
         )
+    if kept_ids is not None:
+        lead = labels.shape
+        res = KeptSetLogprobs.apply(as_rows(logits), labels.reshape(-1).long(),
+                                    kept_ids.reshape(-1, kept_ids.shape[-1]), shard, float(temperature),
+                                    bool(return_entropy), bool(return_kept))
+        res = res if isinstance(res, tuple) else (res,)
+        res = tuple(r.view(lead) for r in res)
+        return res[0] if len(res) == 1 else res
     return TokenLogprobsFunction.apply(
         logits, labels.long(), shard, float(temperature), bool(return_entropy), bool(inplace_backward),
         backend_for(which), trunc, bool(return_kept),

@@ -155,6 +155,11 @@ class RolloutConfig:
     from); a sampled token outside the trainer's kept set is masked out of the loss and
     counted (``rollout/outside_kept_set``). False: the full softmax, which biases every
     importance ratio by the kept mass (for comparison only)."""
+    replay_sampling_mask: bool = False
+    """The engine reports the ids each token's top-k / top-p kept, and the trainer
+    renormalises over exactly those (the reference too) instead of finding the kept set from
+    its own logits. Needs top_k > 0. Engines: hf_batched, and vLLM on GPUs only (its sampling
+    masks come from Model Runner V2; unverified: no GPU run has exercised it)."""
     truncated_response: Literal["mask", "penalize", "keep"] = "keep"
     """Responses cut at max_new_tokens: excluded from the loss, given the minimum reward, or kept."""
     gpu_memory_utilization: float = 0.5

@@ -144,6 +144,10 @@ class Batch:
             if parts[0].dim() >= 2:
                 T = max(p.shape[1] for p in parts)
                 parts = [pad_tokens(p, T) for p in parts]
+            if parts[0].dim() >= 3:  # e.g. kept ids per token: sets of different widths
+                width = max(p.shape[2] for p in parts)
+                parts = [torch.nn.functional.pad(p, (0, 0) * (p.dim() - 3) + (0, width - p.shape[2]))
+                         for p in parts]
             tensors[k] = torch.cat(parts)
         meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
         return Batch(tensors, meta, dict(batches[0].info))

@@ -24,15 +24,18 @@ ENGINES: Registry = Registry("rollout engine")
 **kwargs) -> RolloutEngine``; each factory reads the fields of ``cfg`` that concern it and
 imports its engine only when called. Facts of an entry: ``cpu_expert_updates`` (default
 True: a CPU engine takes new expert weights), ``returns_routes`` (default False: it reports
-the experts it routed each token to, for ``moe.routing_replay: rollout``)."""
+the experts it routed each token to, for ``moe.routing_replay: rollout``), ``returns_kept_ids``
+(default False: it reports each sampled token's kept set, for ``rollout.replay_sampling_mask``;
+vLLM on GPUs only)."""
 
 
-@ENGINES.register("vllm", cpu_expert_updates=False)
+@ENGINES.register("vllm", cpu_expert_updates=False, returns_kept_ids=True)
 def _vllm(cfg, model_dir, **kwargs) -> RolloutEngine:
     from mcore_rl.engines.vllm_engine import VLLMEngine
 
     kwargs.setdefault("weight_loading", cfg.weight_loading)
     kwargs.setdefault("timeout_s", cfg.engine_timeout_s)
+    kwargs.setdefault("return_sampling_mask", cfg.replay_sampling_mask)
     return VLLMEngine(model_dir, **_common(cfg), **kwargs)
 
 
@@ -50,7 +53,7 @@ def _hf(cfg, model_dir, **kwargs) -> RolloutEngine:
     return HFEngine(model_dir, **_common(cfg), **kwargs)
 
 
-@ENGINES.register("hf_batched")
+@ENGINES.register("hf_batched", returns_kept_ids=True)
 def _hf_batched(cfg, model_dir, **kwargs) -> RolloutEngine:
     from mcore_rl.engines.hf_batched_engine import HFBatchedEngine
 
@@ -78,7 +81,8 @@ def sampling_from_config(cfg, stop_token_ids=(), seed: int | None = None) -> Sam
     """`SamplingConfig` of a `RolloutConfig` (n, temperature, top-p/k, min/max new tokens)."""
     return SamplingConfig(n=cfg.n_samples_per_prompt, temperature=cfg.temperature,
                           top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                          min_new_tokens=cfg.min_new_tokens, stop_token_ids=tuple(stop_token_ids), seed=seed)
+                          min_new_tokens=cfg.min_new_tokens, stop_token_ids=tuple(stop_token_ids), seed=seed,
+                          return_kept_ids=cfg.replay_sampling_mask)
 
 
 __all__ = ["ENGINES", "RolloutEngine", "Rollouts", "RolloutSample", "SamplingConfig",

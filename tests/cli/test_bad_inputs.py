@@ -169,6 +169,14 @@ CASES = [
     (["rollout.on_replica_failure=continue"],
      "rollout.on_replica_failure=continue goes on with the other replicas when one dies, but "
      "rollout.replicas=1", "set rollout.replicas=2 (or more)"),
+    (["rollout.replay_sampling_mask=true", "rollout.top_k=5"],
+     "rollout.replay_sampling_mask=true needs vLLM on a GPU: its sampling masks come from Model Runner V2",
+     "set rollout.replay_sampling_mask=false"),
+    (["rollout.replay_sampling_mask=true", "rollout.engine=hf", "rollout.top_k=5"],
+     "rollout.replay_sampling_mask=true replays the engine's sampling masks, which rollout.engine=hf "
+     "does not report", "or hf_batched"),
+    (["rollout.replay_sampling_mask=true", "rollout.engine=hf_batched"],
+     "rollout.replay_sampling_mask=true needs rollout.top_k > 0", "got top_k=-1"),
     (["rollout.placement=fused", "train.schedule=async", "train.max_staleness=1"],
      "rollout.placement=fused runs rollout, reward and update in line in the trainer's first rank",
      "set rollout.placement=colocated (or separate), or train.schedule=sync"),

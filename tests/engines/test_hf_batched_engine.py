@@ -88,6 +88,27 @@ def test_truncated_sampling_logprobs_are_the_trainers_truncated_ones(batched, on
             assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-5), type(engine).__name__
 
 
+def test_reported_kept_sets_are_the_truncations_and_land_on_their_tokens_in_the_batch(batched, model_dir):
+    from mcore_rl.kernels.token_logprobs.reference import truncate_reference
+
+    model = load_hf(model_dir)
+    rollouts = batched.generate(PROMPTS, SamplingConfig(n=2, temperature=0.7, max_new_tokens=4, seed=2, top_k=8,
+                                                        top_p=0.9, return_kept_ids=True))
+    for s in rollouts:
+        with torch.no_grad():
+            logits = model(torch.tensor([s.prompt_token_ids + s.token_ids])).logits[0]
+        expected = torch.isfinite(truncate_reference(logits[len(s.prompt_token_ids) - 1:-1] / 0.7, 8, 0.9))
+        assert [sorted(ids) for ids in s.kept_ids] == [row.nonzero()[:, 0].tolist() for row in expected]
+        assert all(tok in ids for tok, ids in zip(s.token_ids, s.kept_ids))
+    batch = rollouts.to_batch()
+    s = rollouts.samples[3]
+    p = len(s.prompt_token_ids)
+    for t, ids in enumerate(s.kept_ids):
+        row = batch["kept_ids"][3, p + t]
+        assert sorted((row[row > 0] - 1).tolist()) == sorted(ids)
+    assert int(batch["kept_ids"][3, :p].abs().sum()) == 0, "prompt tokens carry no kept set"
+
+
 def test_rows_end_at_their_stop_token_and_their_prompt_leaves_when_all_rows_have(batched, one_by_one):
     stops = tuple(range(0, 256, 6))  # a sixth of the vocabulary: rows end at different steps
     sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=8, seed=2, stop_token_ids=stops)

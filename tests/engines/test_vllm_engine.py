@@ -125,6 +125,11 @@ def test_truncated_sampling_logprobs_are_those_of_the_kept_set_renormalised(engi
     assert kept_mass_below_one, "the truncation never cut anything: the test shows nothing"
 
 
+def test_kept_ids_from_an_engine_built_without_sampling_masks_are_refused(engine):
+    with pytest.raises(Exception, match="start the engine with return_sampling_mask=True"):
+        engine.generate(PROMPTS, SamplingConfig(top_k=5, return_kept_ids=True))
+
+
 @pytest.mark.parametrize("loading,mode", [("auto", "direct"), ("layerwise", "layerwise")])
 def test_update_weights_in_buckets_then_greedy_equals_hf_of_those_weights(engine, dirs, original_weights,
                                                                           loading, mode):

@@ -145,8 +145,32 @@ def _check_truncated(rank: int, world_size: int, seed: int):
         ref_w = weight.clone().requires_grad_(True)
         hlp, hent, _ = token_logprobs_reference(ref_h @ ref_w.t(), labels, **kw)
         (hlp * w + 0.5 * hent).sum().backward()
+        # the same kept set as the engine would report it: replayed instead of found again
+        from mcore_rl.kernels.token_logprobs.reference import truncate_reference
+
+        in_set = torch.isfinite(truncate_reference(logits[:, :vocab_size] / 0.9, top_k, top_p))
+        width = int(in_set.sum(1).max())
+        kept_ids = torch.full((n, width), -1, dtype=torch.long)
+        for i, row in enumerate(in_set):
+            ids = row.nonzero()[:, 0]
+            kept_ids[i, :len(ids)] = ids.flip(0)
+        replay = logits[:, rank * local:(rank + 1) * local].clone().requires_grad_(True)
+        plp, pent = token_logprobs(replay, labels, tp_group=dist.group.WORLD, impl="cpu", vocab_size=vocab_size,
+                                   temperature=0.9, return_entropy=True, kept_ids=kept_ids)
+        (plp * w + 0.5 * pent).sum().backward()
+        rep_h = h.clone().requires_grad_(True)
+        rep_w = weight[rank * local:(rank + 1) * local].clone().requires_grad_(True)
+        qlp, qent = linear_token_logprobs(rep_h, rep_w, labels, tp_group=dist.group.WORLD, chunk_size=5, impl="cpu",
+                                          vocab_size=vocab_size, temperature=0.9, return_entropy=True,
+                                          kept_ids=kept_ids)
+        (qlp * w + 0.5 * qent).sum().backward()
         key = f"top_k={top_k},top_p={top_p}"
         out[key] = {
+            "replayed logp": (plp.detach(), rlp.detach()), "replayed entropy": (pent.detach(), rent.detach()),
+            "replayed grad": (replay.grad, ref.grad[:, rank * local:(rank + 1) * local]),
+            "replayed fused logp": (qlp.detach(), rlp.detach()),
+            "replayed fused grad_hidden": (rep_h.grad, ref_h.grad),
+            "replayed fused grad_weight": (rep_w.grad, ref_w.grad[rank * local:(rank + 1) * local]),
             "logp": (lp.detach(), rlp.detach()), "entropy": (ent.detach(), rent.detach()),
             "kept": (kept.float(), rkept.float()),
             "grad": (mine.grad, ref.grad[:, rank * local:(rank + 1) * local]),

@@ -147,3 +147,68 @@ def test_bad_truncation_is_refused():
         token_logprobs(x, labels, top_p=0.0)
     with pytest.raises(ValueError, match="top_k must be"):
         token_logprobs(x, labels, top_k=-3)
+
+
+def _kept_ids_of(x: torch.Tensor, top_k: int, top_p: float, temperature: float, width: int) -> torch.Tensor:
+    """The engine's sampling mask as ids per row ([N, width], -1 padded), from vLLM's sampler."""
+    kept = torch.isfinite(_engine_processed_logprobs(x.float() / temperature, top_k, top_p))
+    out = torch.full((x.shape[0], width), -1, dtype=torch.long)
+    for i, row in enumerate(kept):
+        ids = row.nonzero()[:, 0]
+        out[i, :len(ids)] = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(i))]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_reported_kept_set_gives_what_recomputing_it_gives(dtype):
+    x = _peaked_logits(30, 400, seed=9).to(dtype)
+    labels = _sample(x.float() / 0.8, 20, 0.9, seed=6)
+    kept_ids = _kept_ids_of(x, 20, 0.9, 0.8, width=24)
+    w = output_weights(2, (30,), seed=2)
+    (lp, ent), grad = forward_backward(token_logprobs, x, labels, w, temperature=0.8, return_entropy=True,
+                                       kept_ids=kept_ids, impl="cpu")
+    (rlp, rent), rgrad = forward_backward(token_logprobs, x, labels, w, temperature=0.8, return_entropy=True,
+                                          top_k=20, top_p=0.9, impl="cpu")
+    rtol, atol = TOL[dtype]["logp"]
+    torch.testing.assert_close(lp, rlp, rtol=rtol, atol=atol)
+    torch.testing.assert_close(ent, rent, rtol=rtol, atol=atol)
+    rtol, atol = TOL[dtype]["grad"]
+    torch.testing.assert_close(grad.float(), rgrad.float(), rtol=rtol, atol=atol)
+
+
+def test_reported_kept_sets_match_reference_with_strays_and_empty_rows():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 50, generator=g) * 2
+    labels = torch.randint(0, 50, (12,), generator=g)
+    kept_ids = torch.full((12, 5), -1)
+    for i in range(12):
+        ids = torch.randperm(50, generator=g)[:4]
+        if i % 3 and labels[i] not in ids:
+            ids[0] = labels[i]  # the label among them, as for a sampled token
+        kept_ids[i, :4] = ids
+    kept_ids[5] = -1  # a token without a kept set (padding): 0 and no gradient
+    w = output_weights(2, (12,), seed=3)
+    kw = dict(temperature=0.7, return_entropy=True, kept_ids=kept_ids)
+    (lp, ent), grad = forward_backward(token_logprobs, x, labels, w, impl="cpu", **kw)
+    (rlp, rent), rgrad = forward_backward(token_logprobs_reference, x, labels, w, **kw)
+    torch.testing.assert_close(lp, rlp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, rent, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, rgrad, rtol=1e-4, atol=1e-5)
+    assert lp[5] == 0 and bool((grad[5] == 0).all())
+    *_, kept = token_logprobs(x, labels, return_kept=True, impl="cpu", **kw)
+    assert kept.tolist() == [bool((kept_ids[i] == labels[i]).any()) for i in range(12)]
+    g_lin = torch.Generator().manual_seed(1)
+    h, weight = torch.randn(12, 8, generator=g_lin), torch.randn(50, 8, generator=g_lin)
+    outs = []
+    for impl in ("cpu", "reference"):
+        hh, ww = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        flp, fent = linear_token_logprobs(hh, ww, labels, impl=impl, **kw, **({"chunk_size": 5} if impl == "cpu" else {}))
+        (flp * w[0] + fent * w[1]).sum().backward()
+        outs.append((flp.detach(), fent.detach(), hh.grad, ww.grad))
+    for o, r in zip(*outs):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
+
+
+def test_kept_ids_of_the_wrong_shape_are_refused():
+    with pytest.raises(ValueError, match="kept_ids must be"):
+        token_logprobs(torch.randn(4, 10), torch.zeros(4, dtype=torch.long), kept_ids=torch.zeros(4, dtype=torch.long))

@@ -37,3 +37,13 @@ def test_without_the_renormalisation_the_ratio_is_off_by_the_kept_mass(tmp_path)
         # exp|log p - log p~| = 1 / kept mass > 1 on every token the truncation cut anything from
         assert h["rollout/token_mult_prob_error"] > 1.01, h
         assert "rollout/outside_kept_set" not in h
+
+
+def test_replaying_the_engines_sampling_masks_agrees_as_well(tmp_path):
+    history = play_overrides(1, BASE + SAMPLING + ["rollout.engine=hf_batched", "rollout.replay_sampling_mask=true"],
+                             str(tmp_path))
+    steps = [h for h in history if "rollout/token_mult_prob_error" in h]
+    assert len(steps) == 2
+    for h in steps:
+        assert 1.0 <= h["rollout/token_mult_prob_error"] < 1.0001, h
+        assert h["rollout/outside_kept_set"] == 0, h  # the sampled token is in its own mask
