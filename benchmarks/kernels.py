@@ -8,6 +8,9 @@ Comparisons, all measured in one run on one device:
   * ``token_logprobs`` forward vs ``torch.log_softmax(logits.float(), -1).gather(...)`` at
     N=4096, V=151936 (bf16 logits): time and peak extra memory; forward+backward likewise
     (and with ``inplace_backward``);
+  * log-probs of a top-k / top-p truncated distribution (``token_logprobs`` with ``top_k`` /
+    ``top_p``), forward+backward, vs plain torch: the sort-based mask an engine's sampler
+    applies, then ``log_softmax``; at top_k=50 with top_p=0.9, and at top_p=0.95 alone;
   * ``linear_token_logprobs`` vs ``hidden @ weight.T`` followed by the same baseline.
 
 Each entry reads {"ours", "baseline", "unit", "speedup"} for times (speedup = baseline / ours)
@@ -279,6 +282,47 @@ def bench_token_logprobs(meter: Meter, n: int, vocab: int, dtype: torch.dtype, d
         f"max rel grad diff {_rel_diff(g_o, g_b):.2e}")
 
 
+TRUNCATIONS = {"top_k50_top_p0.9": (50, 0.9), "top_p0.95": (-1, 0.95)}
+"""Sampling truncations measured: a bounded set, and a nucleus of random logits (most of the
+vocabulary: the candidates grow to a full sort, the worst case)."""
+
+
+def bench_truncated(meter: Meter, n: int, vocab: int, dtype: torch.dtype, device: torch.device,
+                    out: dict, log) -> None:
+    """Log-probs of a top-k / top-p distribution, forward and backward: ours against plain
+    torch (the truncation by a sort, as an engine's sampler does it, then log_softmax)."""
+    from mcore_rl.kernels.token_logprobs.reference import truncate_reference
+
+    logits = _fill_random(torch.empty(n, vocab, dtype=dtype, device=device), seed=3)
+    labels = logits.float().argmax(-1)  # inside every kept set
+    rows = _fingerprint_rows(n).to(device)
+    comp = out["comparisons"]
+    for name, (top_k, top_p) in TRUNCATIONS.items():
+        def ours(x):
+            x = x.requires_grad_(True)
+            lp = token_logprobs(x, labels, top_k=top_k, top_p=top_p)
+            lp.sum().backward()
+            return lp.detach(), x.grad[rows].clone()
+
+        def base(x):
+            x = x.requires_grad_(True)
+            z = truncate_reference(x.float(), top_k, top_p)
+            lp = torch.log_softmax(z, dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+            lp.sum().backward()
+            return lp.detach(), x.grad[rows].clone()
+
+        view = lambda: logits.detach()  # noqa: E731
+        t_o, m_o, (lp_o, g_o) = meter.measure(ours, prepare=view)
+        t_b, m_b, (lp_b, g_b) = meter.measure(base, prepare=view)
+        diff = _max_diff(lp_o, lp_b)
+        comp[f"truncated_logprobs_{name}_fwd_bwd_time"] = _time_entry(
+            t_o, t_b, max_abs_diff=diff, max_rel_grad_diff=_rel_diff(g_o, g_b),
+            baseline_is="sort-based top-k/top-p mask, log_softmax, autograd")
+        comp[f"truncated_logprobs_{name}_fwd_bwd_peak_memory"] = _memory_entry(m_o, m_b)
+        log(f"truncated logprobs {name} fwd+bwd: {t_o * 1e3:.1f} ms vs {t_b * 1e3:.1f} ms; peak extra "
+            f"{_fmt_mib(m_o)} vs {_fmt_mib(m_b)}; max |diff| {diff:.2e}")
+
+
 def bench_linear(meter: Meter, n: int, vocab: int, hidden: int, chunk: int, dtype: torch.dtype,
                  device: torch.device, out: dict, log) -> None:
     h = _fill_random(torch.empty(n, hidden, dtype=dtype, device=device), seed=3, scale=1.0)
@@ -338,7 +382,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=1024, help="linear_token_logprobs chunk size")
     p.add_argument("--repeats", type=int, help="timed runs per measurement (default 3, quick: 2)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["gae", "token_logprobs", "linear"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["gae", "token_logprobs", "truncated", "linear"])
     return p.parse_args(argv)
 
 
@@ -403,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_gae(meter, gae_shapes, device, out, log)
     if "token_logprobs" not in args.skip:
         bench_token_logprobs(meter, n, vocab, dtype, device, out, log)
+    if "truncated" not in args.skip:
+        bench_truncated(meter, n, vocab, dtype, device, out, log)
     if "linear" not in args.skip:
         bench_linear(meter, n, vocab, hidden, args.chunk_size, dtype, device, out, log)
 

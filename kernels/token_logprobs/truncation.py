@@ -15,8 +15,9 @@ m_K the kept mass. The gradient over the logits has the untruncated form with p~
 p and 0 outside K (K is locally constant in the logits).
 
 K is found from a few *candidates* per row, the largest local logits: a shard's candidates
-suffice once the smallest of them is below the kept set's threshold (then every token of
-the shard at or above the threshold is among them) or the shard has no more columns. Rows
+suffice once the smallest of them is below the kept set's threshold, and below the k-th
+largest value with top-k (then every token of the shard the sets count is among them), or
+the shard has no more columns. Rows
 start with ``top_k`` candidates (``INITIAL_CANDIDATES`` without top-k) and the number grows
 eightfold until every shard's suffice, so a peaked distribution costs one ``topk`` pass and
 a flat one a few. With tensor parallelism the candidates of every rank are all-gathered and
@@ -122,8 +123,12 @@ def kept_set(candidates: Callable[[int], torch.Tensor], shard: VocabShard, trunc
         c = _gather(local, shard)
         z = (c - row_max[:, None]) / temperature  # <= 0; -inf on padding
         keep = torch.isfinite(z)
+        # every candidate at or above `bound` must be in hand: the top-k set (with the ties of
+        # its k-th value, which top-p's renormalisation counts) or else the kept set
+        bound = None
         if 0 < trunc.top_k < c.shape[1]:
-            keep &= c >= c[:, trunc.top_k - 1:trunc.top_k]
+            bound = c[:, trunc.top_k - 1]
+            keep &= c >= bound[:, None]
         norm = torch.logsumexp(z.masked_fill(~keep, float("-inf")), dim=1) if trunc.top_k > 0 else log_sum
         if trunc.top_p < 1.0:
             p = torch.exp(z - norm[:, None]).masked_fill(~keep, 0.0)
@@ -132,10 +137,12 @@ def kept_set(candidates: Callable[[int], torch.Tensor], shard: VocabShard, trunc
             keep[:, 0] = True
         threshold = c.masked_fill(~keep, float("inf")).amin(dim=1)
         keep = c >= threshold[:, None]  # ties of the least likely kept token stay too
+        if bound is None:
+            bound = threshold
         if k_local == shard.n_valid:
             enough = True  # every column of this shard is a candidate
         else:
-            enough = bool((local[:, k_local - 1] < threshold).all())
+            enough = bool((local[:, k_local - 1] < bound).all())
         if _all_true(enough, shard, dev):
             break
         want *= GROWTH

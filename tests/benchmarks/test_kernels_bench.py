@@ -9,11 +9,13 @@ TIME_KEYS = [
     "gae_8x64", "gae_8x64_mask_holes", "gae_4x256", "gae_4x256_mask_holes",
     "token_logprobs_fwd_time", "token_logprobs_fwd_bwd_time", "token_logprobs_fwd_bwd_inplace_time",
     "linear_token_logprobs_fwd_time", "linear_token_logprobs_fwd_bwd_time",
+    "truncated_logprobs_top_k50_top_p0.9_fwd_bwd_time", "truncated_logprobs_top_p0.95_fwd_bwd_time",
 ]
 MEMORY_KEYS = [
     "token_logprobs_fwd_peak_memory", "token_logprobs_fwd_bwd_peak_memory",
     "token_logprobs_fwd_bwd_inplace_peak_memory", "linear_token_logprobs_fwd_peak_memory",
     "linear_token_logprobs_fwd_bwd_peak_memory",
+    "truncated_logprobs_top_k50_top_p0.9_fwd_bwd_peak_memory", "truncated_logprobs_top_p0.95_fwd_bwd_peak_memory",
 ]
 
 

@@ -212,3 +212,14 @@ def test_reported_kept_sets_match_reference_with_strays_and_empty_rows():
 def test_kept_ids_of_the_wrong_shape_are_refused():
     with pytest.raises(ValueError, match="kept_ids must be"):
         token_logprobs(torch.randn(4, 10), torch.zeros(4, dtype=torch.long), kept_ids=torch.zeros(4, dtype=torch.long))
+
+
+def test_ties_of_the_kth_value_beyond_the_first_candidates_count_in_top_ps_renormalisation():
+    # top-k=4 keeps 7 tokens (four tie at the k-th value); top-p=0.815 then keeps the third token
+    # only if all 7 count in the mass (before it: 0.803 of 7, 0.853 of the first 5 candidates)
+    x = torch.tensor([[3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0, -4.0, -5.0, -6.0]])
+    labels = torch.tensor([2])
+    lp, kept = token_logprobs(x, labels, top_k=4, top_p=0.815, return_kept=True, impl="cpu")
+    engine = _engine_processed_logprobs(x, 4, 0.815)
+    assert bool(kept.all()) and torch.isfinite(engine[0, 2])
+    torch.testing.assert_close(lp[0], engine[0, 2], rtol=0, atol=1e-6)
