@@ -63,7 +63,8 @@ def verify_engine_logprobs(train_engine, engine, prompts: list[list[int]], *, te
     dist.broadcast_object_list(box, src=controller, group=group)
     rollouts, version = box[0]
     batch = rollouts.to_batch()
-    out = train_engine.forward(batch, temperature=temperature, top_k=top_k, top_p=top_p)
+    truncation = {"top_k": top_k, "top_p": top_p} if top_k > 0 or top_p < 1 else {}
+    out = train_engine.forward(batch, temperature=temperature, **truncation)
     response = batch["response_mask"].bool()
     mask = response & out["kept"].bool() if "kept" in out else response
     diff = (out["logprobs"] - batch["rollout_logprobs"]).abs()[mask]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from mcore_rl.data.batch import Batch
 from mcore_rl.parallel import ParallelContext, megatron_cpu_compat
 from mcore_rl.parallel.agreement import backend_device
+from mcore_rl.train.fused_head import reported_kept_ids
 from mcore_rl.train.micro_batches import pack_micro_batches, split_for_data_parallel, units_of
 from mcore_rl.train.moe_metrics import aux_loss_metrics, clear_aux_losses
 from mcore_rl.train.routing_replay import ROUTES
@@ -60,14 +61,6 @@ class StepResult:
     applied: bool = True
     """False: a gradient (or the loss) was not finite on some rank, and the optimizer step
     was skipped on every rank (the weights are unchanged)."""
-
-
-def reported_kept_ids(mb: Batch, truncated: bool) -> torch.Tensor | None:
-    """The engine's kept set of each token [b, T - 1, K] (-1 padded), aligned with the labels
-    ``input_ids[:, 1:]``, when the batch carries it and the log-probs are truncated."""
-    if not truncated or "kept_ids" not in mb:
-        return None
-    return mb["kept_ids"][:, 1:].long() - 1
 
 
 def shift_right(per_position: torch.Tensor) -> torch.Tensor:

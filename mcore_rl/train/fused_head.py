@@ -51,6 +51,14 @@ def defer_output_layer(chunks: list) -> torch.Tensor | None:
     return layer.weight
 
 
+def reported_kept_ids(mb: Batch, truncated: bool) -> torch.Tensor | None:
+    """The engine's kept set of each token [b, T - 1, K] (-1 padded), aligned with the labels
+    ``input_ids[:, 1:]``, when the batch carries it and the log-probs are truncated."""
+    if not truncated or "kept_ids" not in mb:
+        return None
+    return mb["kept_ids"][:, 1:].long() - 1
+
+
 def response_logprobs(hidden: torch.Tensor, weight: torch.Tensor, mb: Batch, *, vocab_size,
                       tp_group, temperature: float, with_entropy: bool, impl: str,
                       truncation: tuple[int, float] = (-1, 1.0)) -> dict[str, torch.Tensor]:
@@ -61,8 +69,6 @@ def response_logprobs(hidden: torch.Tensor, weight: torch.Tensor, mb: Batch, *, 
 
     ids = mb["input_ids"]
     target = mb["response_mask"][:, 1:].bool()  # position t predicts token t + 1
-    from mcore_rl.train.engine import reported_kept_ids
-
     truncated = truncation != (-1, 1.0)
     kept_ids = reported_kept_ids(mb, truncated)
     res = linear_token_logprobs(hidden[:, :-1][target], weight, ids[:, 1:][target],
