@@ -6,7 +6,7 @@ import pytest
 
 from tests.rl.golden.runs import BASE, play_overrides
 
-SAMPLING = ["rollout.top_p=0.8", "rollout.top_k=5", "train.steps=2", "train.val_every=0",
+SAMPLING = ["rollout.top_p=0.8", "rollout.top_k=5", "train.steps=2", "train.val_every=0", "train.warm_start_steps=0",
             "reshard.verify=false"]
 # PPO epochs: the old log-probs come from a forward of their own (their kept flags too); a KL
 # loss against the reference adds the reference's truncated log-probs
