@@ -105,7 +105,7 @@ def run(spec: dict) -> dict:
         loss_type=[spec["loss_type"]], label_smoothing=spec["label_smoothing"],
         max_length=spec["max_length"], **{k: spec[k] for k in SPEED_OPTIONS if k in known},
         # TRL turns gradient checkpointing on by default; ours recomputes only when asked
-        # (model.recompute_activations), so both sides get the same setting.
+        # (model.recompute=full), so both sides get the same setting.
         gradient_checkpointing=spec["gradient_checkpointing"],
         bf16=spec["bf16"], fp16=False, disable_dropout=True, dataloader_num_workers=0)
     dataset = Dataset.from_list(spec["pairs"])

@@ -153,7 +153,7 @@ def trl_spec(cfg, plan: Plan, model_dir: Path, pairs: list[dict], order: list[in
             "loss_type": f.dpo_loss, "label_smoothing": f.label_smoothing, "lr": o.lr,
             "weight_decay": o.weight_decay, "adam_beta1": o.adam_beta1, "adam_beta2": o.adam_beta2,
             "adam_eps": o.adam_eps, "clip_grad": o.clip_grad, "bf16": cfg.model.dtype == "bf16",
-            "gradient_checkpointing": cfg.model.recompute_activations, **options}
+            "gradient_checkpointing": cfg.model.recompute == "full", **options}
 
 
 def summary(out: dict, warmup: int) -> dict:
@@ -249,7 +249,7 @@ def settings(plan: Plan, cfg, pairs: int, trl: dict[str, dict]) -> dict:
             "pairs_per_step": plan.batch_size, "max_length": plan.max_length, "dtype": plan.dtype,
             "loss": cfg.finetune.dpo_loss, "beta": plan.beta, "lr": cfg.optimizer.lr,
             "clip_grad": cfg.optimizer.clip_grad, "micro_batch_tokens": cfg.optimizer.micro_batch_tokens,
-            "gradient_checkpointing": cfg.model.recompute_activations, "threads": plan.threads,
+            "gradient_checkpointing": cfg.model.recompute == "full", "threads": plan.threads,
             "steps": plan.steps, "warmup_steps": plan.warmup,
             "trl": next((v["trl"] for v in trl.values() if "trl" in v), None)}
 

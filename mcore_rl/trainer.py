@@ -156,10 +156,18 @@ def resume_or_warm_start(state: RunState) -> None:
 
 def save_checkpoint(state: RunState, checkpoints=None):
     """A checkpoint of the run's trained models and its state, in ``checkpoints`` (a
-    `RunCheckpoints`; default the run's ``checkpoint.dir``)."""
-    return (checkpoints or state.checkpoints).save(state.step, state.trained_engines(), {
-        "data_position": state.prompts.position, "kl": state.kl.state_dict(),
-        "weight_version": state.weight_version})
+    `RunCheckpoints`; default the run's ``checkpoint.dir``). Offloaded models
+    (``train.offload``) come back to the devices for it and leave again."""
+    offloaded = [e for e in state.trained_engines().values() if e.offloaded]
+    for engine in offloaded:
+        engine.reload()
+    try:
+        return (checkpoints or state.checkpoints).save(state.step, state.trained_engines(), {
+            "data_position": state.prompts.position, "kl": state.kl.state_dict(),
+            "weight_version": state.weight_version})
+    finally:
+        for engine in offloaded:
+            engine.offload()
 
 
 def sample_rows(batch, limit: int | None = 8) -> list[dict]:

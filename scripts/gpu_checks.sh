@@ -5,8 +5,8 @@
 #   bash scripts/gpu_checks.sh OUT_DIR [CHECK ...]    (default: all, in this order)
 #
 #   1. the tests marked `gpu`: Triton kernels compiled for the GPU against their references,
-#      the train engine on the GPU, the weight stream from a trainer whose weights live there,
-#      and SGLang where it is installed;
+#      the train engine on the GPU (and its offload to host memory, `train.offload`), the
+#      weight stream from a trainer whose weights live there, and SGLang where it is installed;
 #   2. the kernel benchmark on the GPU (OUT_DIR/bench_kernels.json);
 #   3. the quick start's GRPO run on one GPU under torchrun (the job's graph fused into the
 #      rank, without Ray, which the GPU machine may lack): Megatron actor on the GPU, the
@@ -40,7 +40,7 @@ check() {
 
 "$py" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
 
-gpu_tests="tests/kernels tests/reshard tests/train/test_engine_gpu.py"
+gpu_tests="tests/kernels tests/reshard tests/train/test_engine_gpu.py tests/train/test_offload_gpu.py"
 "$py" -c "import sglang" 2>/dev/null && gpu_tests="$gpu_tests tests/engines/test_sglang_adapter.py"
 check gpu_tests 300 "$py" -m pytest -m gpu $gpu_tests -q -p no:cacheprovider
 check bench_kernels 300 "$py" -m mcore_rl.cli.main bench kernels --device cuda --json "$out/bench_kernels.json"

@@ -44,8 +44,10 @@ class ModelConfig:
     """Parameter dtype. bf16 trains with fp32 main parameters in the optimizer."""
     critic_path: str = ""
     """Checkpoint for the critic (PPO); empty: initialised from `path` with a fresh value head."""
-    recompute_activations: bool = False
-    """Recompute each layer's activations in backward to save memory."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute: ``selective`` keeps each layer's inputs and weights' outputs but
+    recomputes core attention (softmax(QK^T) V) in backward; ``full`` keeps only each layer's
+    input and recomputes the whole layer. Both give the plain run's gradients."""
 
 
 @dataclass
@@ -67,6 +69,11 @@ class ParallelConfig:
     pipeline stage."""
     etp: int | None = None
     """Tensor-parallel size inside each expert; None: tp (Megatron's default)."""
+    sequence_parallel: bool = False
+    """With tp > 1: split each sequence over the TP ranks outside the tensor-parallel blocks
+    (norms, residuals, dropout), which divides those activations by tp for an all-gather and
+    a reduce-scatter in place of each all-reduce. Always on for mixture-of-experts models
+    under TP."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto: nccl with CUDA, gloo without."""
     cpu_threads_per_rank: int = 1
@@ -581,6 +588,10 @@ class TrainConfig:
     """Learning rate of the supervised warm start."""
     warm_start_batch: int = 32
     """Prompts per supervised warm-start step."""
+    offload: bool = False
+    """GPUs with ``rollout.placement: colocated``: while the engine generates, the trainer's
+    parameters, gradients and optimizer state (actor, critic, reference) wait in host memory
+    (Megatron's buffer and optimizer offload), and come back for the trainer's turn."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A loss or gradient that is not finite (on any rank): the optimizer step is never
     applied; stop: the run ends with one line naming the step; skip: the update is skipped,

@@ -132,14 +132,18 @@ def validate_config(cfg: RLConfig, world_size: int | None = None, shape=None) ->
     check_ranges(cfg)
     shape = _shape(cfg, shape)
     dp = validate_layout(cfg, world_size, shape)
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp < 2:
+        raise ConfigError("parallel.sequence_parallel=true splits each sequence over the tensor-"
+                          f"parallel ranks, and parallel.tp={cfg.parallel.tp} has one; set "
+                          "parallel.tp >= 2, or parallel.sequence_parallel=false")
     replay = cfg.moe.routing_replay
     if replay != "off" and not shape.num_experts:
         raise ConfigError(f"moe.routing_replay={replay} needs a mixture-of-experts model and this "
                           "one is dense; set moe.routing_replay=off")
-    if replay != "off" and cfg.model.recompute_activations:
-        raise ConfigError(f"moe.routing_replay={replay} with model.recompute_activations=true: a "
-                          "recomputed layer would route by the last micro-batch's replayed "
-                          "experts; set model.recompute_activations=false")
+    if replay != "off" and cfg.model.recompute == "full":
+        raise ConfigError(f"moe.routing_replay={replay} with model.recompute=full: a recomputed "
+                          "layer would route by the last micro-batch's replayed experts; set "
+                          "model.recompute=selective (attention only) or none")
     r = cfg.rollout
     if r.min_new_tokens > r.max_new_tokens:
         raise ConfigError(f"rollout.min_new_tokens={r.min_new_tokens} exceeds rollout.max_new_tokens="

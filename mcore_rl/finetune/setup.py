@@ -117,8 +117,9 @@ def build_finetune_run(cfg: RLConfig, ctx: ParallelContext) -> FinetuneRun:
                 print(f"mcore-rl: data {r.line()}", flush=True)
     m = cfg.model
     moe = moe_options(cfg)
-    built = build_model(model_dir, ctx, role=job.role, dtype=m.dtype, recompute=m.recompute_activations,
-                        seed=cfg.train.seed, moe=moe)
+    sp = cfg.parallel.sequence_parallel
+    built = build_model(model_dir, ctx, role=job.role, dtype=m.dtype, recompute=m.recompute,
+                        seed=cfg.train.seed, moe=moe, sequence_parallel=sp)
     vocab = built.spec.arch.vocab_size
     share = cfg.train.share_prompts  # a DPO pair's two completions share their prompt
     model = build_engine(built.chunks, ctx, kind=job.engine_kind, vocab_size=vocab,
@@ -126,7 +127,7 @@ def build_finetune_run(cfg: RLConfig, ctx: ParallelContext) -> FinetuneRun:
                          share_prompts=share)
     reference = None
     if job.needs_reference:
-        ref = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe)
+        ref = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe, sequence_parallel=sp)
         reference = build_engine(ref.chunks, ctx, vocab_size=vocab, share_prompts=share)
     log = MetricsLog(cfg.logging.dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                      progress_bar=cfg.logging.progress_bar, enabled=ctx.is_controller)

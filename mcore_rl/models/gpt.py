@@ -17,9 +17,24 @@ from mcore_rl.parallel import ParallelContext, megatron_cpu_compat
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_fields(recompute: str) -> dict:
+    """``TransformerConfig`` fields of an activation-recompute mode: ``full`` recomputes each
+    layer from its input (one layer per checkpoint), ``selective`` core attention only."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {}
+
+
 def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
-                             recompute: bool = False, init_weights: bool = True,
-                             moe: MoeOptions | None = None):
+                             recompute: str = "none", init_weights: bool = True,
+                             moe: MoeOptions | None = None, sequence_parallel: bool = False):
     """Megatron ``TransformerConfig`` for ``arch``, with every HF-differing default explicit.
 
     ``init_weights=False`` skips random initialisation (weights are loaded right after).
@@ -62,21 +77,20 @@ def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str =
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=ctx.device.type == "cpu",
         perform_initialization=init_weights,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        **recompute_fields(recompute),
         # Megatron trains expert layers under tensor parallelism only with the sequence
         # split over the TP ranks between the tensor-parallel blocks.
-        sequence_parallel=uses_sequence_parallel(arch, ctx.tp),
+        sequence_parallel=uses_sequence_parallel(arch, ctx.tp, sequence_parallel),
         **moe_config_fields(arch, ctx.ep, ctx.expert_tp, moe),
         **megatron_cpu_compat.transformer_config_overrides(),
     )
 
 
-def uses_sequence_parallel(arch: ModelArch, tp: int) -> bool:
-    """Whether the model runs sequence-parallel: a mixture-of-experts model under tensor
-    parallelism (dense models keep the full sequence on every TP rank)."""
-    return arch.is_moe and tp > 1
+def uses_sequence_parallel(arch: ModelArch, tp: int, requested: bool = False) -> bool:
+    """Whether the model runs sequence-parallel (the sequence split over the TP ranks outside
+    the tensor-parallel blocks): under tensor parallelism, when asked for
+    (``parallel.sequence_parallel``) and always for a mixture-of-experts model."""
+    return tp > 1 and (requested or arch.is_moe)
 
 
 def layer_spec(arch: ModelArch, transformer_engine: bool | None = None,
@@ -130,9 +144,9 @@ def block_spec(spec, config, ctx: ParallelContext, vp_stage: int | None):
 
 
 def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
-                     recompute: bool = False, transformer_engine: bool | None = None,
+                     recompute: str = "none", transformer_engine: bool | None = None,
                      head: str = "lm", init_weights: bool = True, seed: int = 1234,
-                     moe: MoeOptions | None = None) -> list:
+                     moe: MoeOptions | None = None, sequence_parallel: bool = False) -> list:
     """This rank's model chunks (one per virtual pipeline stage; one without VPP).
 
     ``head="lm"``: GPTModel with vocabulary logits [b, s, Vp/tp] on the last stage.
@@ -147,7 +161,7 @@ def build_gpt_chunks(arch: ModelArch, ctx: ParallelContext, dtype: str = "fp32",
 
     if head not in ("lm", "score"):
         raise ValueError(f"head must be 'lm' or 'score', not {head!r}")
-    config = build_transformer_config(arch, ctx, dtype, recompute, init_weights, moe)
+    config = build_transformer_config(arch, ctx, dtype, recompute, init_weights, moe, sequence_parallel)
     spec = layer_spec(arch, transformer_engine, config.sequence_parallel)
     n_chunks = ctx.vpp or 1
     chunks = []

@@ -72,12 +72,14 @@ def read_model_spec(source: str | Path) -> ModelSpec:
 
 
 def build_model(source: str | Path, ctx, role: str = "actor", dtype: str = "fp32",
-                recompute: bool = False, transformer_engine: bool | None = None,
-                seed: int = 1234, moe=None) -> BuiltModel:
+                recompute: str = "none", transformer_engine: bool | None = None,
+                seed: int = 1234, moe=None, sequence_parallel: bool = False) -> BuiltModel:
     """Build this rank's chunks for ``role`` and load their weights from ``source``.
 
     Collective when ``source`` is an mcore-rl checkpoint (Megatron's distributed load).
     ``moe``: `mcore_rl.models.moe.MoeOptions` for expert layers (default options if None).
+    ``sequence_parallel``: split the sequence over the TP ranks between the tensor-parallel
+    blocks (always on for a mixture-of-experts model under TP).
     """
     from mcore_rl.models.checkpoint import is_mcore_checkpoint, load_mcore_weights
     from mcore_rl.models.gpt import DTYPES, build_gpt_chunks
@@ -99,7 +101,7 @@ def build_model(source: str | Path, ctx, role: str = "actor", dtype: str = "fp32
         arch = arch.with_vocab_multiple_for_tp(ctx.tp)
     check_layout(arch, ctx.tp, ctx.pp, ctx.vpp, ctx.ep, ctx.expert_tp)
     chunks = build_gpt_chunks(arch, ctx, dtype, recompute, transformer_engine, head=head,
-                              init_weights=False, seed=seed, moe=moe)
+                              init_weights=False, seed=seed, moe=moe, sequence_parallel=sequence_parallel)
     fresh_head = ("output_layer.weight",) if head != source_spec.head else ()
     if is_checkpoint:
         load_mcore_weights(chunks, source, skip_keys=fresh_head)

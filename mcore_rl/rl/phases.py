@@ -368,9 +368,25 @@ def update_critic(state, batch: Batch) -> dict[str, float]:
 def engine_sleep(state) -> None:
     """Colocated: the engines give the devices to the trainer (free their KV caches and
     offload their weights where they can; on vLLM-CPU they only fence: generation is
-    refused until they wake)."""
+    refused until they wake); with ``train.offload`` the trainer's state comes back."""
     if state.colocated:  # the controller rank's engines (none elsewhere)
         state.sync.call_engines(lambda engine: engine.sleep())
+    for engine in trainer_engines(state):
+        engine.reload()
+
+
+def trainer_engines(state) -> list:
+    """Every model of the trainer's (actor, critic, reference)."""
+    models = (getattr(state, name, None) for name in ("actor", "critic", "reference"))
+    return [e for e in models if e is not None and hasattr(e, "offloaded")]
+
+
+def offload_trainer(state) -> None:
+    """``train.offload``: the engine's turn on the devices begins; the trainer's parameters,
+    gradients and optimizer state go to host memory until `engine_sleep`."""
+    if state.cfg.train.offload and getattr(state, "colocated", False):
+        for engine in trainer_engines(state):
+            engine.offload()
 
 
 def sync_weights(state) -> dict[str, float]:
@@ -410,6 +426,7 @@ def sync_weights(state) -> dict[str, float]:
         out["sync/verify_max_abs_diff"] = max(diffs)
         if replicas > 1:
             out["sync/verified_replicas"] = float(replicas)
+    offload_trainer(state)
     return out
 
 

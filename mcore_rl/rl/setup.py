@@ -193,8 +193,9 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list,
     tokenizer = load_tokenizer(model_dir)
     m = cfg.model
     moe = moe_options(cfg)
-    actor_model = build_model(model_dir, ctx, role="actor", dtype=m.dtype, recompute=m.recompute_activations,
-                              seed=cfg.train.seed, moe=moe_options(cfg, policy=True))
+    sp = cfg.parallel.sequence_parallel
+    actor_model = build_model(model_dir, ctx, role="actor", dtype=m.dtype, recompute=m.recompute,
+                              seed=cfg.train.seed, moe=moe_options(cfg, policy=True), sequence_parallel=sp)
     vocab = actor_model.spec.arch.vocab_size
     share = cfg.train.share_prompts
     actor = build_engine(actor_model.chunks, ctx, vocab_size=vocab, optim=cfg.optimizer,
@@ -202,11 +203,11 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list,
                          share_prompts=share)
     reference = critic = None
     if algo.kl_coef > 0:
-        ref_model = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe)
+        ref_model = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe, sequence_parallel=sp)
         reference = build_engine(ref_model.chunks, ctx, vocab_size=vocab, share_prompts=share)
     if needs_critic(algo.advantage_estimator):
         critic_model = build_model(m.critic_path or model_dir, ctx, role="critic", dtype=m.dtype,
-                                   seed=cfg.train.seed, moe=moe)
+                                   seed=cfg.train.seed, moe=moe, sequence_parallel=sp)
         critic = build_engine(critic_model.chunks, ctx, kind="value",
                               optim=replace(cfg.optimizer, lr=cfg.optimizer.critic_lr),
                               total_steps=cfg.train.steps * algo.ppo_epochs * algo.mini_batches,

@@ -54,6 +54,8 @@ def check_runnable(cfg: RLConfig, world_size: int | None = None, driver: str = "
 def check_combination(cfg: RLConfig, driver: str = "train") -> None:
     """Which job, schedule, placement, replicas and reward go together."""
     job, t, r = cfg.train.job, cfg.train, cfg.rollout
+    if t.offload:
+        _check_offload(cfg)
     if driver == "api" and job not in API_JOBS:
         raise UsageError(f"RLTrainer runs train.job {', '.join(API_JOBS)}, not {job!r}; run it "
                          "with mcore-rl train")
@@ -86,6 +88,19 @@ def check_combination(cfg: RLConfig, driver: str = "train") -> None:
         raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "
                           f"old, but train.max_staleness={t.max_staleness} allows none; set "
                           "train.max_staleness=1 (or more)")
+
+
+def _check_offload(cfg: RLConfig) -> None:
+    import torch
+
+    if not torch.cuda.is_available() and not cfg.launch.gpus_per_node:
+        raise ConfigError("train.offload=true moves the trainer's state from GPU memory to host "
+                          "memory while a colocated engine generates; on CPU both already share "
+                          "host memory: set train.offload=false")
+    if cfg.train.job != "rl" or cfg.rollout.placement not in ("colocated", "fused"):
+        raise ConfigError(f"train.offload=true frees the GPUs for a colocated engine; train.job="
+                          f"{cfg.train.job} with rollout.placement={cfg.rollout.placement} has none "
+                          "there: set train.offload=false, or rollout.placement=colocated")
 
 
 def _check_sampling_mask(cfg: RLConfig) -> None:

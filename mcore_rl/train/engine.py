@@ -122,6 +122,8 @@ class TrainEngine:
         not interleaved over gloo)."""
         self._micro: list[Batch] = []
         self._layouts: dict[int, SharedLayout] = {}
+        self.offloaded = False
+        """Parameters, gradients and optimizer state wait in host memory (`offload`)."""
 
     # ----- what the model computes per micro-batch ------------------------------------
     def _head_outputs(self, output: torch.Tensor, mb: Batch, temperature: float,
@@ -291,6 +293,52 @@ class TrainEngine:
         # Right padding + causal attention: no mask needed (see mcore_rl.data.batch).
         return ids, position_ids
 
+    # ----- the devices, shared with a colocated engine -----------------------------------
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to host memory, freeing the device for a
+        colocated engine (Megatron's ``offload_to_cpu`` of its DDP buffers and optimizer; a
+        model without DDP moves its parameters). Nothing may read them until `reload`."""
+        if self.offloaded:
+            return
+        if self.ctx.device.type != "cuda":
+            raise RuntimeError("offload moves the trainer's state off a GPU; this engine is on "
+                               f"{self.ctx.device.type}")
+        for chunk in self.model:
+            buffers = list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+            if buffers:
+                for buffer in buffers:
+                    buffer.offload_to_cpu(move_params=True, move_grads=True)
+            else:
+                for p in chunk.parameters():
+                    p.data = p.data.to("cpu")
+        if self.optimizer is not None:
+            self.optimizer.offload_to_cpu()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def _check_on_device(self) -> None:
+        if self.offloaded:
+            raise RuntimeError("the trainer's state is offloaded to host memory (offload); "
+                               "reload it before a forward or an update")
+
+    def reload(self) -> None:
+        """Back from `offload` (gradients zeroed); nothing to do if not offloaded."""
+        if not self.offloaded:
+            return
+        for chunk in self.model:
+            buffers = list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+            if buffers:
+                for buffer in buffers:
+                    buffer.reload_from_cpu(move_params=True, move_grads=True)
+            else:
+                for p in chunk.parameters():
+                    p.data = p.data.to(self.ctx.device)
+        if self.optimizer is not None:
+            self.optimizer.restore_from_cpu()
+        torch.cuda.synchronize()
+        self.offloaded = False
+
     # ----- public API ----------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: Batch, fn: ForwardFn | None = None, *, temperature: float = 1.0,
@@ -305,6 +353,7 @@ class TrainEngine:
         k] over the model's L layers (`mcore_rl.train.routing_replay`), which a later
         `train_batch` of a batch carrying them replays. A batch that carries ``routes``
         (and is not being recorded) is routed by them here too."""
+        self._check_on_device()
         fn = fn or (lambda outputs, mb: outputs)
         plan = self._plan(batch)
         recording = record_routes and self.routing is not None and self.routing.active
@@ -379,6 +428,7 @@ class TrainEngine:
         """
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (forward only)")
+        self._check_on_device()
         plan = self._plan(batch)
         replaying = self.routing is not None and self.routing.active and ROUTES in batch
 

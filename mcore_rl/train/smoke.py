@@ -64,8 +64,9 @@ class SmokeRun:
         self.steps = cfg.train.steps
         self.arch = arch_from_inline(cfg)
         optim = replace(cfg.optimizer, lr=1e-3)  # a visible drop within a few steps
-        self.engine = build_engine(build_gpt_chunks(self.arch, ctx, dtype=cfg.model.dtype), ctx,
-                                   vocab_size=self.arch.vocab_size, optim=optim,
+        chunks = build_gpt_chunks(self.arch, ctx, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
+                                  sequence_parallel=cfg.parallel.sequence_parallel)
+        self.engine = build_engine(chunks, ctx, vocab_size=self.arch.vocab_size, optim=optim,
                                    total_steps=self.steps)
         self.checkpoints = RunCheckpoints.for_config(cfg)
         self.losses: list[float] = []

@@ -101,9 +101,8 @@ CASES = [
     (["moe.routing_replay=old_logprob"], "moe.routing_replay=old_logprob needs a "
                                          "mixture-of-experts model", "set moe.routing_replay=off"),
     (["model.num_experts=4", "rollout.engine=hf", "moe.routing_replay=old_logprob",
-      "model.recompute_activations=true"], "moe.routing_replay=old_logprob with "
-                                           "model.recompute_activations=true",
-     "set model.recompute_activations=false"),
+      "model.recompute=full"], "moe.routing_replay=old_logprob with model.recompute=full",
+     "set model.recompute=selective (attention only) or none"),
     (["model.num_experts=4", "rollout.engine=sglang", "moe.routing_replay=rollout"],
      "moe.routing_replay=rollout: the sglang engine does not report the experts",
      "use rollout.engine=hf or moe.routing_replay=old_logprob"),
@@ -169,6 +168,11 @@ CASES = [
     (["rollout.on_replica_failure=continue"],
      "rollout.on_replica_failure=continue goes on with the other replicas when one dies, but "
      "rollout.replicas=1", "set rollout.replicas=2 (or more)"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true splits each sequence over "
+                                          "the tensor-parallel ranks, and parallel.tp=1 has one",
+     "set parallel.tp >= 2"),
+    (["train.offload=true"], "train.offload=true moves the trainer's state from GPU memory to host "
+                             "memory", "set train.offload=false"),
     (["rollout.replay_sampling_mask=true", "rollout.top_k=5"],
      "rollout.replay_sampling_mask=true needs vLLM on a GPU: its sampling masks come from Model Runner V2",
      "set rollout.replay_sampling_mask=false"),

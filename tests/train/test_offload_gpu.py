@@ -1,0 +1,48 @@
+"""``train.offload``: the trainer's parameters, gradients and optimizer state leave the GPU
+for host memory while a colocated engine generates, and come back unchanged (a one-GPU
+Megatron model; skipped without CUDA)."""
+import pytest
+import torch
+
+from tests.train.test_engine_layouts import VOCAB, arch, fixed_batch, token_mean_loss
+
+pytestmark = pytest.mark.gpu
+
+
+def _engine():
+    from mcore_rl.config import OptimizerConfig
+    from mcore_rl.models.gpt import build_gpt_chunks
+    from mcore_rl.parallel import initialize_parallel
+    from mcore_rl.train.build import build_engine
+
+    ctx = initialize_parallel(seed=5)
+    optim = OptimizerConfig(name="adam", lr=1e-3, clip_grad=1.0, micro_batch_tokens=48)
+    return build_engine(build_gpt_chunks(arch(False), ctx, dtype="bf16"), ctx, vocab_size=VOCAB, optim=optim)
+
+
+def _params(engine):
+    return {n: p.detach().float().cpu().clone() for n, p in engine.model[0].named_parameters()}
+
+
+def test_offload_frees_the_device_and_training_goes_on_as_without_it():
+    from mcore_rl.parallel import destroy_parallel
+
+    results = []
+    for offload in (False, True):
+        engine = _engine()
+        engine.train_batch(fixed_batch(), token_mean_loss)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        if offload:
+            with pytest.raises(RuntimeError, match="offloaded"):
+                engine.forward(fixed_batch())
+            engine.offload()
+            freed = held - torch.cuda.memory_allocated()
+            state = sum(p.numel() * (2 + 4 + 4 + 4) for p in engine.model[0].parameters())  # bf16, grad, Adam m, v
+            assert freed >= 0.8 * state, (freed, state)
+            engine.reload()
+        engine.train_batch(fixed_batch(), token_mean_loss)
+        results.append(_params(engine))
+        destroy_parallel()
+    for name, value in results[0].items():
+        assert torch.equal(value, results[1][name]), name
