@@ -45,13 +45,14 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             del logits  # before the next chunk's GEMM: one chunk of logits alive, not two
         row_max, log_sum, ent, tgt = combine_stats(row_max, log_sum, ent, tgt, shard, temperature)
 
-        def candidates(k: int) -> torch.Tensor:
-            if k == first:
+        def candidates(k: int, rows) -> torch.Tensor:
+            if k == first and rows is None:
                 return cand
-            out = torch.empty(n, k, **f32)  # more than the first pass took: the GEMMs again
-            for s in range(0, n, chunk_size):
+            hr = h if rows is None else h[rows]  # more than the first pass took: their GEMMs again
+            out = torch.empty(hr.shape[0], k, **f32)
+            for s in range(0, hr.shape[0], chunk_size):
                 out[s:s + chunk_size] = top_candidates(
-                    torch.matmul(h[s:s + chunk_size], weight.t())[:, :shard.n_valid], k)
+                    torch.matmul(hr[s:s + chunk_size], weight.t())[:, :shard.n_valid], k)
             return out
 
         log_sum, ent, threshold, kept = truncated_stats(candidates, shard, trunc, temperature, row_max,
@@ -153,7 +154,7 @@ def linear_token_logprobs(
     shard = vocab_shard(weight.shape[0], vocab_size, tp_group)
     check_inputs(labels, hidden.shape[:-1], shard, vocab_size, temperature)
     if kept_ids is not None:
-        check_kept_ids(kept_ids, labels.shape)
+        check_kept_ids(kept_ids, labels.shape, vocab_size or shard.local_size * shard.world_size)
         lead = labels.shape
         res = LinearKeptSetLogprobs.apply(
             hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1).long(),

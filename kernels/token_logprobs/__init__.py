@@ -91,7 +91,7 @@ def token_logprobs(
     shard = vocab_shard(logits.shape[-1], vocab_size, tp_group)
     check_inputs(labels, logits.shape[:-1], shard, vocab_size, temperature)
     if kept_ids is not None:
-        check_kept_ids(kept_ids, labels.shape)
+        check_kept_ids(kept_ids, labels.shape, vocab_size or shard.local_size * shard.world_size)
     if which == "reference":
         if shard.group is not None:
             raise ValueError("impl='reference' works on unsharded logits only (no tp_group of size > 1)")

@@ -60,7 +60,8 @@ class TokenLogprobsFunction(torch.autograd.Function):
         row_max, log_sum, ent, tgt = forward_stats(backend, x, lab, shard, temperature,
                                                    return_entropy and not active)
         log_sum, ent, threshold, kept = truncated_stats(
-            lambda k: top_candidates(x[:, :shard.n_valid], k), shard, trunc, temperature,
+            lambda k, rows: top_candidates((x if rows is None else x[rows])[:, :shard.n_valid], k),
+            shard, trunc, temperature,
             row_max, log_sum, ent, tgt, return_entropy)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, lab, row_max, log_sum, ent, threshold)

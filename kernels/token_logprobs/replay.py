@@ -19,12 +19,21 @@ import torch.distributed as dist
 from mcore_rl.kernels.token_logprobs.vocab_parallel import VocabShard, local_labels
 
 
-def check_kept_ids(kept_ids: torch.Tensor, lead_shape) -> None:
+def check_kept_ids(kept_ids: torch.Tensor, lead_shape, vocab: int) -> None:
+    """Shape and dtype; on CPU (where it costs no device sync) also that the ids lie in
+    [-1, vocab) and that no row names a token twice."""
     if tuple(kept_ids.shape[:-1]) != tuple(lead_shape) or kept_ids.dim() != len(lead_shape) + 1:
         raise ValueError(f"kept_ids must be [{', '.join(map(str, lead_shape))}, K] (the labels' shape "
                          f"and the kept ids of each token, -1 padded), got {tuple(kept_ids.shape)}")
     if kept_ids.dtype.is_floating_point or kept_ids.dtype == torch.bool:
         raise TypeError(f"kept_ids must be integer token ids, got {kept_ids.dtype}")
+    if kept_ids.device.type == "cpu" and kept_ids.numel():
+        lo, hi = int(kept_ids.min()), int(kept_ids.max())
+        if lo < -1 or hi >= vocab:
+            raise ValueError(f"kept_ids must lie in [0, {vocab}) (-1 for padding), got values in [{lo}, {hi}]")
+        ordered = kept_ids.reshape(-1, kept_ids.shape[-1]).sort(dim=-1).values
+        if bool(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()):
+            raise ValueError("kept_ids names a token twice in one row; give each kept set once")
 
 
 def kept_columns(kept_ids: torch.Tensor, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,11 +17,11 @@ p and 0 outside K (K is locally constant in the logits).
 K is found from a few *candidates* per row, the largest local logits: a shard's candidates
 suffice once the smallest of them is below the kept set's threshold, and below the k-th
 largest value with top-k (then every token of the shard the sets count is among them), or
-the shard has no more columns. Rows
-start with ``top_k`` candidates (``INITIAL_CANDIDATES`` without top-k) and the number grows
-eightfold until every shard's suffice, so a peaked distribution costs one ``topk`` pass and
-a flat one a few. With tensor parallelism the candidates of every rank are all-gathered and
-each rank finds the same K.
+the shard has no more columns. Rows start with ``top_k`` candidates (``INITIAL_CANDIDATES``
+without top-k); the rows whose candidates do not suffice on some shard ask again for eight
+times as many, so a peaked distribution costs one ``topk`` pass and a flat row a few more of
+its own. With tensor parallelism the candidates of every rank are all-gathered and each rank
+finds the same K.
 """
 from __future__ import annotations
 
@@ -95,33 +95,42 @@ def _gather(c: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     return torch.cat(parts, dim=1).sort(dim=1, descending=True).values
 
 
-def _all_true(flag: bool, shard: VocabShard, device) -> bool:
+def _all_rows(flags: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """Per row: true on every rank of the group."""
     if shard.group is None:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        return flags
+    t = flags.to(torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=shard.group)
-    return bool(t.item())
+    return t.bool()
 
 
-def kept_set(candidates: Callable[[int], torch.Tensor], shard: VocabShard, trunc: Truncation,
-             temperature: float, row_max: torch.Tensor, log_sum: torch.Tensor,
+def kept_set(candidates: Callable[[int, torch.Tensor | None], torch.Tensor], shard: VocabShard,
+             trunc: Truncation, temperature: float, row_max: torch.Tensor, log_sum: torch.Tensor,
              need_entropy: bool) -> KeptSet:
     """The kept set of every row from its candidates.
 
-    candidates(k): this shard's ``k`` largest raw logits per row, fp32 [N, k], descending
-        (k <= the shard's real columns);
+    candidates(k, rows): this shard's ``k`` largest raw logits of the rows ``rows`` (a
+        LongTensor; None: all rows), fp32 [rows, k], descending (k <= the shard's real
+        columns). Only the rows whose candidates did not suffice are asked again, so one flat
+        row does not make every row's candidates grow;
     row_max, log_sum: the global statistics of the untruncated softmax (``combine_stats``).
     """
     n, dev = row_max.shape[0], row_max.device
+    threshold = torch.empty(n, dtype=torch.float32, device=dev)
+    lsk = torch.empty(n, dtype=torch.float32, device=dev)
+    ent = torch.empty(n, dtype=torch.float32, device=dev) if need_entropy else None
+    rows: torch.Tensor | None = None  # all of them
     want = trunc.top_k if trunc.top_k > 0 else INITIAL_CANDIDATES
-    while True:
+    while n:
+        idx = torch.arange(n, device=dev) if rows is None else rows
+        m = len(idx)
         # one candidate more than wanted: it tells whether ties of the last one were cut off
         k_local = min(want + 1, shard.n_valid)
-        local = candidates(k_local) if k_local else torch.empty(n, 0, dtype=torch.float32, device=dev)
-        if k_local < want + 1:  # an exhausted shard pads with -inf: every rank sends [N, want + 1]
-            local = torch.cat([local, local.new_full((n, want + 1 - k_local), float("-inf"))], dim=1)
+        local = candidates(k_local, rows) if k_local else torch.empty(m, 0, dtype=torch.float32, device=dev)
+        if k_local < want + 1:  # an exhausted shard pads with -inf: every rank sends [m, want + 1]
+            local = torch.cat([local, local.new_full((m, want + 1 - k_local), float("-inf"))], dim=1)
         c = _gather(local, shard)
-        z = (c - row_max[:, None]) / temperature  # <= 0; -inf on padding
+        z = (c - row_max[idx, None]) / temperature  # <= 0; -inf on padding
         keep = torch.isfinite(z)
         # every candidate at or above `bound` must be in hand: the top-k set (with the ties of
         # its k-th value, which top-p's renormalisation counts) or else the kept set
@@ -129,27 +138,33 @@ def kept_set(candidates: Callable[[int], torch.Tensor], shard: VocabShard, trunc
         if 0 < trunc.top_k < c.shape[1]:
             bound = c[:, trunc.top_k - 1]
             keep &= c >= bound[:, None]
-        norm = torch.logsumexp(z.masked_fill(~keep, float("-inf")), dim=1) if trunc.top_k > 0 else log_sum
+        if trunc.top_k > 0:
+            norm = torch.logsumexp(z.masked_fill(~keep, float("-inf")), dim=1)
+        else:
+            norm = log_sum[idx]
         if trunc.top_p < 1.0:
             p = torch.exp(z - norm[:, None]).masked_fill(~keep, 0.0)
             before = torch.cumsum(p, dim=1) - p
             keep &= before < trunc.top_p
             keep[:, 0] = True
-        threshold = c.masked_fill(~keep, float("inf")).amin(dim=1)
-        keep = c >= threshold[:, None]  # ties of the least likely kept token stay too
+        thr = c.masked_fill(~keep, float("inf")).amin(dim=1)
+        keep = c >= thr[:, None]  # ties of the least likely kept token stay too
         if bound is None:
-            bound = threshold
-        if k_local == shard.n_valid:
-            enough = True  # every column of this shard is a candidate
+            bound = thr
+        if k_local == shard.n_valid:  # every column of this shard is a candidate
+            enough = torch.ones(m, dtype=torch.bool, device=dev)
         else:
-            enough = bool((local[:, k_local - 1] < bound).all())
-        if _all_true(enough, shard, dev):
+            enough = local[:, k_local - 1] < bound
+        enough = _all_rows(enough, shard)
+        done = idx[enough]
+        zk = z[enough].masked_fill(~keep[enough], float("-inf"))
+        row_lsk = torch.logsumexp(zk, dim=1)
+        threshold[done], lsk[done] = thr[enough], row_lsk
+        if ent is not None:
+            logp = (zk - row_lsk[:, None]).masked_fill(~keep[enough], 0.0)
+            ent[done] = -(logp.exp() * logp).masked_fill(~keep[enough], 0.0).sum(dim=1)
+        if bool(enough.all()):
             break
+        rows = idx[~enough]
         want *= GROWTH
-    zk = z.masked_fill(~keep, float("-inf"))
-    lsk = torch.logsumexp(zk, dim=1)
-    ent = None
-    if need_entropy:
-        logp = (zk - lsk[:, None]).masked_fill(~keep, 0.0)
-        ent = -(logp.exp() * logp).masked_fill(~keep, 0.0).sum(dim=1)
     return KeptSet(threshold, lsk, ent)

@@ -104,6 +104,8 @@ def actor_loss_fn(cfg: AlgorithmConfig, kl_coef: float) -> Callable:
             metrics["kl_loss"] = aggregate(kl.detach(), mask, cfg.loss_aggregation)[0]
         if cfg.entropy_coef and "entropy" in outputs:
             per_token = per_token - cfg.entropy_coef * outputs["entropy"]
+        if KEPT in outputs:  # a masked token adds exactly 0, even where its ratio overflowed
+            per_token = torch.where(mask > 0, per_token, torch.zeros_like(per_token))
         total, units = aggregate(per_token, mask, cfg.loss_aggregation)
         metrics["clip_fraction"] = aggregate(diag["clip_fraction"], mask, cfg.loss_aggregation)[0]
         metrics["ratio_abs_dev"] = aggregate((diag["ratio"] - 1).abs(), mask, cfg.loss_aggregation)[0]

@@ -175,8 +175,8 @@ def truncation(cfg) -> dict:
     """The sampling truncation trainer log-probs describe: ``rollout.top_k`` / ``top_p`` (none
     with ``rollout.renormalize_truncated: false``), as `TrainEngine` keyword arguments."""
     r = cfg.rollout
-    if not r.renormalize_truncated or (r.top_k <= 0 and r.top_p >= 1.0):
-        return {}
+    if not r.renormalize_truncated or not r.temperature or (r.top_k <= 0 and r.top_p >= 1.0):
+        return {}  # (greedy rollouts: engines take the argmax, truncating nothing)
     return {"top_k": r.top_k, "top_p": r.top_p}
 
 
@@ -203,7 +203,9 @@ def old_logprobs(state, batch: Batch) -> Batch:
 def reference_logprobs(state, batch: Batch) -> Batch:
     """The frozen reference's log-probs (``ref_logprobs``), when a KL term is configured.
     Under a sampling truncation they are those of the reference's own truncated distribution,
-    and ``ref_kept`` marks the tokens it could have sampled (the KL is taken over those)."""
+    and ``ref_kept`` marks the tokens it could have sampled (the KL is taken over those); with
+    ``rollout.replay_sampling_mask`` the reference is renormalised over the engine's kept set
+    (the policy's), which holds every sampled token."""
     if state.reference is None:
         return batch
     temperature = state.cfg.rollout.temperature or 1.0

@@ -221,10 +221,13 @@ class ContinuousGenerate:
             s = replace(s, sample_index=j, weight_version=version)
             prefix = group.samples[j] if sample is not None else None
             if prefix is not None:  # a continuation: after the tokens its slot holds
+                kept = None if prefix.kept_ids is None or s.kept_ids is None else \
+                    prefix.kept_ids + s.kept_ids
                 s = RolloutSample(0, j, group.prompt, prefix.token_ids + s.token_ids,
                                   prefix.logprobs + s.logprobs, s.finish_reason,
                                   prefix.weight_version,
-                                  token_versions=_versions(prefix) + [version] * len(s.token_ids))
+                                  token_versions=_versions(prefix) + [version] * len(s.token_ids),
+                                  kept_ids=kept)
             elif sample is not None:
                 s = replace(s, prompt_token_ids=group.prompt)
             group.samples[j] = s

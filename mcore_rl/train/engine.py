@@ -63,6 +63,14 @@ class StepResult:
     was skipped on every rank (the weights are unchanged)."""
 
 
+def ddp_buffers(chunk) -> list:
+    """The parameter-and-gradient buffers of a Megatron DDP chunk ([] for a bare model)."""
+    buffers = getattr(chunk, "buffers", None)
+    if not isinstance(buffers, list):  # a bare module's ``buffers`` is its method
+        return []
+    return buffers + list(getattr(chunk, "expert_parallel_buffers", None) or [])
+
+
 def shift_right(per_position: torch.Tensor) -> torch.Tensor:
     """[b, T] outputs at positions 0..T-1 -> aligned to the token each position predicts
     (column t holds the output at t-1; column 0 is 0)."""
@@ -296,23 +304,25 @@ class TrainEngine:
     # ----- the devices, shared with a colocated engine -----------------------------------
     def offload(self) -> None:
         """Parameters, gradients and optimizer state to host memory, freeing the device for a
-        colocated engine (Megatron's ``offload_to_cpu`` of its DDP buffers and optimizer; a
-        model without DDP moves its parameters). Nothing may read them until `reload`."""
+        colocated engine: Megatron's ``offload_to_cpu`` of the optimizer and of the DDP
+        buffers (gradients, and the parameters where a buffer holds them: the distributed
+        optimizer's), the other parameters moved one by one. Nothing may read them until
+        `reload`."""
         if self.offloaded:
             return
         if self.ctx.device.type != "cuda":
             raise RuntimeError("offload moves the trainer's state off a GPU; this engine is on "
                                f"{self.ctx.device.type}")
+        if self.optimizer is not None:  # first: its parameters may be the model's own
+            self.optimizer.offload_to_cpu()
         for chunk in self.model:
-            buffers = list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
-            if buffers:
-                for buffer in buffers:
-                    buffer.offload_to_cpu(move_params=True, move_grads=True)
-            else:
+            buffers = ddp_buffers(chunk)
+            in_buffers = bool(buffers) and all(b.param_data is not None for b in buffers)
+            for buffer in buffers:
+                buffer.offload_to_cpu(move_params=in_buffers, move_grads=True)
+            if not in_buffers:
                 for p in chunk.parameters():
                     p.data = p.data.to("cpu")
-        if self.optimizer is not None:
-            self.optimizer.offload_to_cpu()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self.offloaded = True
@@ -327,11 +337,11 @@ class TrainEngine:
         if not self.offloaded:
             return
         for chunk in self.model:
-            buffers = list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
-            if buffers:
-                for buffer in buffers:
-                    buffer.reload_from_cpu(move_params=True, move_grads=True)
-            else:
+            buffers = ddp_buffers(chunk)
+            in_buffers = bool(buffers) and all(b.param_data is not None for b in buffers)
+            for buffer in buffers:
+                buffer.reload_from_cpu(move_params=in_buffers, move_grads=True)
+            if not in_buffers:
                 for p in chunk.parameters():
                     p.data = p.data.to(self.ctx.device)
         if self.optimizer is not None:

@@ -173,6 +173,11 @@ CASES = [
      "set parallel.tp >= 2"),
     (["train.offload=true"], "train.offload=true moves the trainer's state from GPU memory to host "
                              "memory", "set train.offload=false"),
+    (["train.offload=true", "launch.gpus_per_node=1", "optimizer.distributed=true"],
+     "train.offload=true with optimizer.distributed=true and model.dtype=fp32", "set model.dtype=bf16"),
+    (["rollout.replay_sampling_mask=true", "rollout.engine=hf_batched", "rollout.top_k=5",
+      "environment.name=calculator"], "multi-turn episodes do not carry the engine's sampling masks",
+     "set rollout.replay_sampling_mask=false"),
     (["rollout.replay_sampling_mask=true", "rollout.top_k=5"],
      "rollout.replay_sampling_mask=true needs vLLM on a GPU: its sampling masks come from Model Runner V2",
      "set rollout.replay_sampling_mask=false"),

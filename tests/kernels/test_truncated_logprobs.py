@@ -95,14 +95,16 @@ def test_flat_rows_grow_the_candidates_until_the_nucleus_fits(monkeypatch):
     real = truncation.top_candidates
 
     def counting(x, k, *a):
-        calls.append(k)
+        calls.append((k, x.shape[0]))
         return real(x, k, *a)
 
     monkeypatch.setattr(sys.modules["mcore_rl.kernels.token_logprobs.function"], "top_candidates", counting)
     x = torch.randn(6, 500) * 0.1  # the 0.9 nucleus holds most of the vocabulary
+    x[:3, 0] = 20.0  # except in three peaked rows, which one pass settles
     labels = torch.arange(6)
     lp = token_logprobs(x, labels, top_p=0.9, impl="cpu")
-    assert calls[0] == 5 and len(calls) >= 3, calls
+    assert calls[0] == (5, 6) and len(calls) >= 3, calls
+    assert all(rows == 3 for _, rows in calls[1:]), "only the flat rows ask for more candidates"
     torch.testing.assert_close(lp, token_logprobs_reference(x, labels, top_p=0.9), rtol=0, atol=1e-5)
 
 
@@ -209,9 +211,15 @@ def test_reported_kept_sets_match_reference_with_strays_and_empty_rows():
         torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
 
 
-def test_kept_ids_of_the_wrong_shape_are_refused():
+def test_kept_ids_of_the_wrong_shape_range_or_with_repeats_are_refused():
+    x, labels = torch.randn(4, 10), torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="kept_ids must be"):
-        token_logprobs(torch.randn(4, 10), torch.zeros(4, dtype=torch.long), kept_ids=torch.zeros(4, dtype=torch.long))
+        token_logprobs(x, labels, kept_ids=torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"kept_ids must lie in \[0, 10\)"):
+        token_logprobs(x, labels, kept_ids=torch.tensor([[0, 10]] * 4))
+    with pytest.raises(ValueError, match="names a token twice"):
+        token_logprobs(x, labels, kept_ids=torch.tensor([[0, 3, 3, -1]] * 4))
+    token_logprobs(x, labels, kept_ids=torch.tensor([[0, 3, -1, -1]] * 4))  # padding may repeat
 
 
 def test_ties_of_the_kth_value_beyond_the_first_candidates_count_in_top_ps_renormalisation():
