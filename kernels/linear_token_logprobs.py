@@ -48,12 +48,18 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         def candidates(k: int, rows) -> torch.Tensor:
             if k == first and rows is None:
                 return cand
-            hr = h if rows is None else h[rows]  # more than the first pass took: their GEMMs again
-            out = torch.empty(hr.shape[0], k, **f32)
-            for s in range(0, hr.shape[0], chunk_size):
-                out[s:s + chunk_size] = top_candidates(
-                    torch.matmul(hr[s:s + chunk_size], weight.t())[:, :shard.n_valid], k)
-            return out
+            # more than the first pass took: the GEMMs of the chunks holding those rows again,
+            # chunked as the forward and the backward chunk, so the logits match bit for bit
+            # (the kept set's threshold is compared with them)
+            wanted = torch.ones(n, dtype=torch.bool, device=h.device) if rows is None else \
+                torch.zeros(n, dtype=torch.bool, device=h.device).index_fill_(0, rows, True)
+            parts = []
+            for s in range(0, n, chunk_size):
+                sel = wanted[s:s + chunk_size].nonzero()[:, 0]
+                if len(sel):
+                    logits = torch.matmul(h[s:s + chunk_size], weight.t())
+                    parts.append(top_candidates(logits[sel][:, :shard.n_valid], k))
+            return torch.cat(parts) if parts else torch.empty(0, k, **f32)
 
         log_sum, ent, threshold, kept = truncated_stats(candidates, shard, trunc, temperature, row_max,
                                                         log_sum, ent, tgt, return_entropy)

@@ -109,8 +109,8 @@ def kept_set(candidates: Callable[[int, torch.Tensor | None], torch.Tensor], sha
              need_entropy: bool) -> KeptSet:
     """The kept set of every row from its candidates.
 
-    candidates(k, rows): this shard's ``k`` largest raw logits of the rows ``rows`` (a
-        LongTensor; None: all rows), fp32 [rows, k], descending (k <= the shard's real
+    candidates(k, rows): this shard's ``k`` largest raw logits of the rows ``rows`` (an
+        ascending LongTensor; None: all rows), fp32 [rows, k], descending (k <= the shard's real
         columns). Only the rows whose candidates did not suffice are asked again, so one flat
         row does not make every row's candidates grow;
     row_max, log_sum: the global statistics of the untruncated softmax (``combine_stats``).
