@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mcore_rl.kernels.token_logprobs.function import outputs
 from mcore_rl.kernels.token_logprobs.vocab_parallel import VocabShard, local_labels
 
 
@@ -114,14 +115,8 @@ class KeptSetLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, labels, kept_ids, cols, owned, z, log_sum, ent)
         ctx.cfg = (shard, temperature, return_entropy)
-        out = [lp]
-        if return_entropy:
-            out.append(ent)
-        if return_kept:
-            flags = (kept_ids == labels[:, None]).any(dim=1)
-            ctx.mark_non_differentiable(flags)
-            out.append(flags)
-        return out[0] if len(out) == 1 else tuple(out)
+        return outputs(lp, ent, (kept_ids == labels[:, None]).any(dim=1), labels.shape, return_entropy,
+                       return_kept, ctx)
 
     @staticmethod
     def backward(ctx, grad_lp, *more):
@@ -157,14 +152,8 @@ class LinearKeptSetLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(h, weight, labels, kept_ids, cols, owned, z, log_sum, ent)
         ctx.cfg = (shard, temperature, chunk_size, return_entropy, reduce_grad)
-        out = [lp]
-        if return_entropy:
-            out.append(ent)
-        if return_kept:
-            flags = (kept_ids == labels[:, None]).any(dim=1)
-            ctx.mark_non_differentiable(flags)
-            out.append(flags)
-        return out[0] if len(out) == 1 else tuple(out)
+        return outputs(lp, ent, (kept_ids == labels[:, None]).any(dim=1), labels.shape, return_entropy,
+                       return_kept, ctx)
 
     @staticmethod
     def backward(ctx, grad_lp, *more):

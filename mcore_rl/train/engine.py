@@ -315,17 +315,23 @@ class TrainEngine:
                                f"{self.ctx.device.type}")
         if self.optimizer is not None:  # first: its parameters may be the model's own
             self.optimizer.offload_to_cpu()
+        self._move_model(to_host=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def _move_model(self, to_host: bool) -> None:
+        """Each chunk's DDP buffers (gradients, and parameters where a buffer holds them)
+        through Megatron's offload/reload, its other parameters one by one."""
         for chunk in self.model:
             buffers = ddp_buffers(chunk)
             in_buffers = bool(buffers) and all(b.param_data is not None for b in buffers)
             for buffer in buffers:
-                buffer.offload_to_cpu(move_params=in_buffers, move_grads=True)
+                move = buffer.offload_to_cpu if to_host else buffer.reload_from_cpu
+                move(move_params=in_buffers, move_grads=True)
             if not in_buffers:
                 for p in chunk.parameters():
-                    p.data = p.data.to("cpu")
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        self.offloaded = True
+                    p.data = p.data.to("cpu" if to_host else self.ctx.device)
 
     def _check_on_device(self) -> None:
         if self.offloaded:
@@ -336,14 +342,7 @@ class TrainEngine:
         """Back from `offload` (gradients zeroed); nothing to do if not offloaded."""
         if not self.offloaded:
             return
-        for chunk in self.model:
-            buffers = ddp_buffers(chunk)
-            in_buffers = bool(buffers) and all(b.param_data is not None for b in buffers)
-            for buffer in buffers:
-                buffer.reload_from_cpu(move_params=in_buffers, move_grads=True)
-            if not in_buffers:
-                for p in chunk.parameters():
-                    p.data = p.data.to(self.ctx.device)
+        self._move_model(to_host=False)
         if self.optimizer is not None:
             self.optimizer.restore_from_cpu()
         torch.cuda.synchronize()
