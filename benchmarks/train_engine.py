@@ -10,7 +10,14 @@ In one run, on the same random batch and model shape (Llama-style, fp32):
   half the experts), both against HF ``Qwen3MoeForCausalLM`` of the same shape;
 - shared prompts (`mcore_rl.train.shared_prompts`) at TP1 on a GRPO-shaped batch (groups
   of samples of one prompt, prompts longer than responses), against the same engine
-  computing every row whole.
+  computing every row whole;
+- ``packed_vs_padded``: padding-free packing (`mcore_rl.train.packing`, ``train.packing``)
+  at TP1 against today's length-sorted padded micro-batches, on SmolLM2's shape (random
+  weights) and a long-tailed batch: responses log-normal with the median and p90 of
+  SmolLM2's natural responses in ``mcore-rl bench train`` (137 and 256 tokens), capped at
+  256. Beside the speedup: ``padded_to_real``, the padded micro-batches' positions over the
+  real tokens (what packing can save at most), and ``share_of_allowed``, (speedup - 1) /
+  (padded_to_real - 1).
 Both single-rank sides use the same number of threads. Tokens are the real (non-padding)
 tokens.
 """
@@ -38,6 +45,63 @@ SIZES = {
 GROUPS = {"full": dict(prompts=8, samples=8, prompt_len=(96, 160), response_len=(8, 64)),
           "quick": dict(prompts=2, samples=4, prompt_len=(12, 16), response_len=(2, 6))}
 """The GRPO-shaped batch of each size: prompts x samples, lengths drawn in these ranges."""
+
+
+SMOLLM2 = ModelArch(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                    num_attention_heads=9, num_kv_heads=3, tie_word_embeddings=True)
+"""SmolLM2-135M's shape."""
+
+PACKING = {"full": dict(arch=SMOLLM2, sequences=32, prompt_len=(30, 80), response_p50=137,
+                        response_p90=256, response_max=256, micro_batch_tokens=2048, repeats=1),
+           "quick": dict(arch=SIZES["quick"]["arch"], sequences=8, prompt_len=(4, 8),
+                         response_p50=6, response_p90=12, response_max=12,
+                         micro_batch_tokens=48, repeats=1)}
+"""The long-tailed batch of the packing row per size (the full one: the update of
+``mcore-rl bench train``'s SmolLM2 size, 32 sequences in micro-batches of 2048 tokens)."""
+
+
+def make_long_tail_batch(arch: ModelArch, sequences: int, prompt_len: tuple[int, int],
+                         response_p50: int, response_p90: int, response_max: int, **_):
+    """Random prompts and responses whose lengths are log-normal with that median and p90
+    (before the cap at ``response_max``)."""
+    import math
+
+    from mcore_rl.data.batch import Batch
+
+    g = torch.Generator().manual_seed(2)
+    sigma = math.log(response_p90 / response_p50) / 1.2816  # the normal's 90th percentile
+    resp = torch.exp(torch.randn(sequences, generator=g) * sigma + math.log(response_p50))
+    resp = resp.round().clamp(1, response_max).long().tolist()
+    prompts = torch.randint(prompt_len[0], prompt_len[1] + 1, (sequences,), generator=g).tolist()
+    seqs = [torch.randint(0, arch.vocab_size, (p + r,), generator=g).tolist()
+            for p, r in zip(prompts, resp)]
+    return Batch.from_sequences(seqs, prompt_lens=prompts)
+
+
+def padded_to_real(batch, budget: int) -> float:
+    """Positions the length-sorted padded micro-batches compute over the batch's real tokens."""
+    from mcore_rl.train.micro_batches import pack_micro_batches
+
+    lens = batch.seq_lens
+    plan = pack_micro_batches(lens, list(range(len(batch))), budget)
+    return sum(len(mb) * max(int(lens[i]) for i in mb) for mb in plan) / int(lens.sum())
+
+
+def _packing_rates(rank, world_size, size, packing: bool):
+    """Forward and train-step tokens/s at TP1 on the long-tailed batch, packed or padded."""
+    from mcore_rl.config import OptimizerConfig
+    from mcore_rl.models.gpt import build_gpt_chunks
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.train.build import build_engine
+
+    spec = PACKING[size]
+    ctx = initialize_parallel(seed=1)
+    optim = OptimizerConfig(lr=1e-5, micro_batch_tokens=spec["micro_batch_tokens"])
+    engine = build_engine(build_gpt_chunks(spec["arch"], ctx), ctx,
+                          vocab_size=spec["arch"].vocab_size, optim=optim, packing=packing)
+    rates = _timed_rates(engine, make_long_tail_batch(**spec), spec["repeats"])
+    destroy_parallel()
+    return rates
 
 
 def moe_arch(dense: ModelArch) -> ModelArch:
@@ -175,11 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", required=True, help="output JSON path")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (for tests)")
     parser.add_argument("--threads", type=int, default=2, help="threads of the TP1/HF runs")
+    parser.add_argument("--only", choices=["packing"],
+                        help="only this row (packing: packed_vs_padded)")
     args = parser.parse_args(argv)
     size = "quick" if args.quick else "full"
     from mcore_rl.parallel.local_world import SharedWorld
 
     torch.set_num_threads(args.threads)
+    if args.only == "packing":
+        results = _packing_results(size, args.threads)
+        out = {"benchmark": "train-engine", "size": size, "machine": machine_info(),
+               "packing_batch": {k: v for k, v in PACKING[size].items() if k != "arch"},
+               "results": results}
+        return _report(args.json, out, results)
     print(f"[train-engine] HF transformers baseline ({size})", flush=True)
     hf_fwd, hf_step = _hf_rates(size)
     print("[train-engine] mcore-rl TP1", flush=True)
@@ -208,22 +280,51 @@ def main(argv: list[str] | None = None) -> int:
             fwd, step = world.run(_engine_rates, size, 1, 1, ranks)[0]
         results[f"forward_{name}"] = throughput_comparison(fwd, moe_fwd, "tokens/s")
         results[f"train_step_{name}"] = throughput_comparison(step, moe_step, "tokens/s")
+    results |= _packing_results(size, args.threads)
+    results |= _packing_results(size, args.threads)
     out = {"benchmark": "train-engine", "size": size, "machine": machine_info(),
            "model": SIZES[size]["arch"].__dict__ | {}, "batch": SIZES[size]["batch"],
            "moe_model": {k: v for k, v in moe_arch(SIZES[size]["arch"]).__dict__.items()
                          if not k.startswith("_")},
            "group_batch": GROUPS[size],
+           "packing_batch": {k: v for k, v in PACKING[size].items() if k != "arch"},
            "note": "forward_/train_step_tp1 compare against HF transformers; tp2/pp2 against "
                    "our TP1 (2 ranks x 1 thread vs 1 rank x --threads threads); moe_ep1/ep2 "
                    "against HF Qwen3MoeForCausalLM of the moe_model shape; shared_prompts "
-                   "against the same TP1 engine computing every row of group_batch whole",
+                   "against the same TP1 engine computing every row of group_batch whole; "
+                   "packed_vs_padded: packed micro-batches against padded ones on "
+                   "packing_batch (SmolLM2's shape in the full size)",
            "results": results}
     out["model"] = {k: v for k, v in out["model"].items() if not k.startswith("_")}
-    write_json(args.json, out)
+    return _report(args.json, out, results)
+
+
+def _packing_results(size: str, threads: int) -> dict:
+    from mcore_rl.parallel.local_world import SharedWorld
+
+    spec = PACKING[size]
+    ratio = padded_to_real(make_long_tail_batch(**spec), spec["micro_batch_tokens"])
+    results = {}
+    with SharedWorld(1, threads_per_rank=threads) as world:
+        print("[train-engine] mcore-rl TP1, padded micro-batches (long-tailed batch)", flush=True)
+        padded = world.run(_packing_rates, size, False)[0]
+        print("[train-engine] mcore-rl TP1, packed micro-batches (long-tailed batch)", flush=True)
+        packed = world.run(_packing_rates, size, True)[0]
+    for phase, ours, base in zip(("forward", "train_step"), packed, padded):
+        row = throughput_comparison(ours, base, "tokens/s")
+        row["padded_to_real"] = ratio
+        row["share_of_allowed"] = (row["speedup"] - 1) / (ratio - 1) if ratio > 1 else None
+        results[f"{phase}_packed_vs_padded"] = row
+    return results
+
+
+def _report(path: str, out: dict, results: dict) -> int:
+    write_json(path, out)
     for name, r in results.items():
-        print(f"  {name:18s} ours {r['ours']:10.1f}  baseline {r['baseline']:10.1f} {r['unit']}"
-              f"  x{r['speedup']:.2f}")
-    print(f"[train-engine] wrote {args.json}")
+        extra = (f"  (padded/real {r['padded_to_real']:.3f})" if "padded_to_real" in r else "")
+        print(f"  {name:28s} ours {r['ours']:10.1f}  baseline {r['baseline']:10.1f} {r['unit']}"
+              f"  x{r['speedup']:.2f}{extra}")
+    print(f"[train-engine] wrote {path}")
     return 0
 
 

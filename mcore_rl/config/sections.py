@@ -336,7 +336,8 @@ class OptimizerConfig:
     distributed: bool = False
     """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
     micro_batch_tokens: int = 4096
-    """Token budget of one micro-batch (sequences are packed up to it)."""
+    """Token budget of one micro-batch: rows x its longest row (padding included), or its
+    real tokens with ``train.packing``."""
 
 
 @dataclass
@@ -603,6 +604,13 @@ class TrainConfig:
     two completions of a DPO pair. The same log-probs, values and gradients up to round-off,
     for a fraction of the compute when prompts are long against responses. Dense models on
     the local layer spec; others run every row whole."""
+    packing: bool = False
+    """Padding-free micro-batches: each micro-batch's rows run end to end as one sequence
+    (positions restart per row, attention never crosses rows: Megatron's ``thd`` format,
+    `mcore_rl.train.packing`), and ``optimizer.micro_batch_tokens`` budgets real tokens
+    instead of rows x the longest row. The same outputs up to round-off, without the
+    padding's compute; pays most on long-tailed response lengths. Needs the local layer
+    spec's attention or Transformer Engine's."""
     schedule: Literal["sync", "one_step_off", "async"] = "sync"
     """How generation and training overlap (the RL graph of ``mcore-rl train``): sync: the
     next step's rollout starts once the update and weight sync of this one are done;

@@ -122,13 +122,15 @@ def build_finetune_run(cfg: RLConfig, ctx: ParallelContext) -> FinetuneRun:
                         seed=cfg.train.seed, moe=moe, sequence_parallel=sp)
     vocab = built.spec.arch.vocab_size
     share = cfg.train.share_prompts  # a DPO pair's two completions share their prompt
+    packed = cfg.train.packing
     model = build_engine(built.chunks, ctx, kind=job.engine_kind, vocab_size=vocab,
                          optim=cfg.optimizer, total_steps=max(1, cfg.train.steps),
-                         share_prompts=share)
+                         share_prompts=share, packing=packed)
     reference = None
     if job.needs_reference:
         ref = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe, sequence_parallel=sp)
-        reference = build_engine(ref.chunks, ctx, vocab_size=vocab, share_prompts=share)
+        reference = build_engine(ref.chunks, ctx, vocab_size=vocab, share_prompts=share,
+                                 packing=packed)
     log = MetricsLog(cfg.logging.dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                      progress_bar=cfg.logging.progress_bar, enabled=ctx.is_controller)
     scorer = None

@@ -14,6 +14,10 @@ masked, Megatron's convention; the train engine's shared prompts,
 `mcore_rl.train.shared_prompts`), with no attention bias, no sliding window, no learnable
 softmax offset and no attention dropout while training. Anything else goes to Megatron's
 own implementation.
+
+Packed sequences (Megatron's ``thd`` format, `mcore_rl.train.packing`): one attention per
+segment of ``cu_seqlens``, causal, or under the segment's own mask (a shared prompt), so
+the cost is the sum of the segments' squared lengths.
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ class SDPAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._segments(query, key, value, attention_bias, packed_seq_params)
         if not self._fused_applies(query, key, attention_mask, attn_mask_type, attention_bias,
                                    packed_seq_params):
             return super().forward(query, key, value, attention_mask, attn_mask_type,
@@ -57,6 +63,35 @@ class SDPAttention(DotProductAttention):
         # [b, heads, s, d] -> [s, b, heads * d]
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+
+    def _segments(self, query, key, value, attention_bias, params):
+        """[t, heads, d] packed tokens -> [t, heads * d], attention within each segment."""
+        config = self.config
+        if (attention_bias is not None or getattr(config, "window_size", None) is not None
+                or getattr(config, "softmax_type", "vanilla") != "vanilla"
+                or config.apply_query_key_layer_scaling
+                or (self.training and self.attention_dropout.p > 0)):
+            raise NotImplementedError("packed sequences on the local attention take plain "
+                                      "causal softmax attention only (no bias, window, "
+                                      "softmax offset or attention dropout); set "
+                                      "train.packing: false")
+        bounds = getattr(params, "segment_bounds", None) or tuple(params.cu_seqlens_q.tolist())
+        masks = getattr(params, "segment_masks", None) or (None,) * (len(bounds) - 1)
+        grouped = self.num_attention_heads_per_partition > self.num_query_groups_per_partition
+        outs = []
+        for start, end, mask in zip(bounds[:-1], bounds[1:], masks):
+            # [n, heads, d] -> [1, heads, n, d]
+            q, k, v = (t[start:end].permute(1, 0, 2)[None] for t in (query, key, value))
+            if mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                     scale=self.softmax_scale, enable_gqa=grouped)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask,
+                                                     scale=self.softmax_scale, enable_gqa=grouped)
+            outs.append(out[0].permute(1, 0, 2))
+        out = torch.cat(outs)
+        return out.reshape(out.shape[0], self.hidden_size_per_partition)
 
 
 def _boolean_mask(mask, query) -> bool:

@@ -197,21 +197,22 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list,
     actor_model = build_model(model_dir, ctx, role="actor", dtype=m.dtype, recompute=m.recompute,
                               seed=cfg.train.seed, moe=moe_options(cfg, policy=True), sequence_parallel=sp)
     vocab = actor_model.spec.arch.vocab_size
-    share = cfg.train.share_prompts
+    share, packed = cfg.train.share_prompts, cfg.train.packing
     actor = build_engine(actor_model.chunks, ctx, vocab_size=vocab, optim=cfg.optimizer,
                          total_steps=cfg.train.steps * algo.ppo_epochs * algo.mini_batches,
-                         share_prompts=share)
+                         share_prompts=share, packing=packed)
     reference = critic = None
     if algo.kl_coef > 0:
         ref_model = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe, sequence_parallel=sp)
-        reference = build_engine(ref_model.chunks, ctx, vocab_size=vocab, share_prompts=share)
+        reference = build_engine(ref_model.chunks, ctx, vocab_size=vocab, share_prompts=share,
+                                 packing=packed)
     if needs_critic(algo.advantage_estimator):
         critic_model = build_model(m.critic_path or model_dir, ctx, role="critic", dtype=m.dtype,
                                    seed=cfg.train.seed, moe=moe, sequence_parallel=sp)
         critic = build_engine(critic_model.chunks, ctx, kind="value",
                               optim=replace(cfg.optimizer, lr=cfg.optimizer.critic_lr),
                               total_steps=cfg.train.steps * algo.ppo_epochs * algo.mini_batches,
-                              share_prompts=share)
+                              share_prompts=share, packing=packed)
     rollout = engines[0] if ctx.is_controller and engines else None
     sync = WeightSync.from_config([getattr(c, "module", c) for c in actor.model],
                                   actor_model.spec.arch, cfg.reshard,

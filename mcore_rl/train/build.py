@@ -11,7 +11,7 @@ def build_engine(chunks: list, ctx: ParallelContext, *, kind: str = "lm",
                  vocab_size: int | None = None, optim: OptimizerConfig | None = None,
                  lr: float | None = None, total_steps: int = 1, micro_batch_tokens: int | None = None,
                  logprob_impl: str = "auto", fused_lm_head: bool = True,
-                 share_prompts: bool = False) -> TrainEngine:
+                 share_prompts: bool = False, packing: bool = False) -> TrainEngine:
     """A trainable engine when ``optim`` is given (Megatron DDP + Adam + LR schedule), else a
     forward-only one (reference model, reward model)."""
     from megatron.core.distributed import finalize_model_grads
@@ -21,7 +21,8 @@ def build_engine(chunks: list, ctx: ParallelContext, *, kind: str = "lm",
     if optim is None:
         return TrainEngine(chunks, ctx, kind=kind, vocab_size=vocab_size,
                            micro_batch_tokens=budget, logprob_impl=logprob_impl,
-                           fused_lm_head=fused_lm_head, share_prompts=share_prompts)
+                           fused_lm_head=fused_lm_head, share_prompts=share_prompts,
+                           packing=packing)
     # Losses come back summed with their unit counts; Megatron divides the gradient once by
     # the global count (finalize_model_grads) instead of per micro-batch and per DP rank.
     # Must be set before DDP reads it.
@@ -34,4 +35,5 @@ def build_engine(chunks: list, ctx: ParallelContext, *, kind: str = "lm",
     scheduler = build_scheduler(optim, optimizer, lr=lr, total_steps=total_steps)
     return TrainEngine(model, ctx, kind=kind, vocab_size=vocab_size, micro_batch_tokens=budget,
                        optimizer=optimizer, scheduler=scheduler, logprob_impl=logprob_impl,
-                       fused_lm_head=fused_lm_head, share_prompts=share_prompts)
+                       fused_lm_head=fused_lm_head, share_prompts=share_prompts,
+                           packing=packing)

@@ -96,12 +96,14 @@ class TrainEngine:
         share_prompts: rows with the same prompt (a prompt's samples) compute it once per
             micro-batch (`mcore_rl.train.shared_prompts`); where the model supports it (see
             `shares_prompts`), else ignored.
+        packing: each micro-batch runs as one sequence of its rows, without padding
+            (`mcore_rl.train.packing`); ``micro_batch_tokens`` then budgets real tokens.
     """
 
     def __init__(self, chunks: list, ctx: ParallelContext, *, kind: str = "lm",
                  vocab_size: int | None = None, micro_batch_tokens: int = 4096,
                  optimizer=None, scheduler=None, logprob_impl: str = "auto",
-                 fused_lm_head: bool = True, share_prompts: bool = False):
+                 fused_lm_head: bool = True, share_prompts: bool = False, packing: bool = False):
         if kind not in ("lm", "value", "reward"):
             raise ValueError(f"kind must be 'lm', 'value' or 'reward', got {kind!r}")
         self.model = chunks
@@ -128,6 +130,11 @@ class TrainEngine:
         """Whether micro-batches are laid out with shared prompts (requested, and the model is
         dense, with rotary or learned positions, on the local layer spec's attention, and
         not interleaved over gloo)."""
+        if packing:
+            from mcore_rl.train.packing import check_packing_supported
+
+            check_packing_supported(chunks)
+        self.packing = packing
         self._micro: list[Batch] = []
         self._layouts: dict[int, SharedLayout] = {}
         self.offloaded = False
@@ -184,6 +191,11 @@ class TrainEngine:
 
         def plan_with(units):
             mine = split_for_data_parallel(lens, self.ctx.dp, units)[self.ctx.dp_rank]
+            if self.packing:
+                from mcore_rl.train.packing import pack_by_tokens
+
+                return pack_by_tokens(lens, mine, self.micro_batch_tokens, multiple_of=multiple,
+                                      units=units)
             return pack_micro_batches(lens, mine, self.micro_batch_tokens, multiple_of=multiple,
                                       units=units)
 
@@ -225,7 +237,12 @@ class TrainEngine:
 
         # Micro-batches go to the model's device (the batch itself stays where it was made).
         micro = [batch.select(idx).trimmed().to(self.ctx.device) for idx in plan]
-        if self.ctx.vpp and megatron_cpu_compat.is_applied():
+        self._micro = micro
+        self._layouts = {}
+        if self.packing:
+            self._pack(micro)
+            uniform = None
+        elif self.ctx.vpp and megatron_cpu_compat.is_applied():
             # Over gloo the interleaved schedule cannot exchange per-micro-batch shapes (the
             # shape messages of both directions to the same peer get crossed): give every
             # micro-batch one shape, filling with all-padding rows that carry no loss.
@@ -240,13 +257,12 @@ class TrainEngine:
             uniform = True
         else:
             uniform = False
-        if self.model[0].config.sequence_parallel:
+        if self.model[0].config.sequence_parallel and uniform is not None:
             # The sequence is split over the TP ranks: a multiple of tp tokens per sequence.
             tp = self.ctx.tp
             micro = [m.padded_to(len(m), -(-m.num_tokens // tp) * tp) for m in micro]
         self._micro = micro
-        self._layouts = {}
-        if self.shares_prompts and not uniform:
+        if self.shares_prompts and uniform is False:
             sp = self.ctx.tp if self.model[0].config.sequence_parallel else 1
             for m in micro:
                 layout = share_prompts(m, self.model[0].config.hidden_size, multiple_of=sp)
@@ -262,6 +278,8 @@ class TrainEngine:
         data = [iterator() for _ in self.model] if len(self.model) > 1 else iterator()
         config = self.model[0].config
         config.variable_seq_lengths = self.ctx.pp > 1 and not uniform
+        if self.packing:
+            config.variable_seq_lengths = self.ctx.pp > 1 and len({t for _, t in shapes}) > 1
         try:
             return get_forward_backward_func()(
                 forward_step_func=step_fn, data_iterator=data, model=self.model,
@@ -271,6 +289,24 @@ class TrainEngine:
         finally:
             self._layouts = {}
 
+    def _pack(self, micro: list[Batch]) -> None:
+        """Each micro-batch's packed layout. Sequence parallelism needs a multiple of tp
+        tokens; the interleaved schedule over gloo and expert parallelism need one length
+        for every micro-batch (of every DP rank, under EP)."""
+        from mcore_rl.train.packing import pack
+
+        config = self.model[0].config
+        multiple = self.ctx.tp if config.sequence_parallel else 1
+        share = self.shares_prompts
+        layouts = [pack(m, config.hidden_size, share=share, multiple_of=multiple) for m in micro]
+        if (self.ctx.vpp and megatron_cpu_compat.is_applied()) or self._experts_across_ranks:
+            length = max(lay.num_tokens for lay in layouts)
+            if self._experts_across_ranks:
+                length = self._max_over_dp(length)
+            layouts = [pack(m, config.hidden_size, share=share, multiple_of=multiple,
+                            length=length) for m in micro]
+        self._layouts = {id(m): lay.to(self.ctx.device) for m, lay in zip(micro, layouts)}
+
     def _run_model(self, model, mb: Batch):
         """The chunk's forward over a micro-batch. A mixture-of-experts model is told which
         tokens are padding, so its load-balancing loss counts only real tokens (Megatron
@@ -278,6 +314,8 @@ class TrainEngine:
         out the ranks' micro-batch counts under expert parallelism) adds no such loss. A
         micro-batch with a shared layout runs as its shared rows."""
         layout = self._layouts.get(id(mb))
+        if self.packing:
+            return self._run_packed(model, layout)
         if layout is not None:
             with token_positions(model, layout.position_ids):
                 return model(layout.input_ids, layout.position_ids,
@@ -293,6 +331,23 @@ class TrainEngine:
             return model(*self._model_inputs(mb), attention_mask=None)
         finally:
             config.moe_aux_loss_coeff = coeff
+
+    def _run_packed(self, model, layout):
+        kwargs = dict(attention_mask=None, packed_seq_params=layout.params)
+        coeff = None
+        if self._is_moe and bool(layout.padding.all()):  # evens out EP ranks: no aux loss
+            config = self.model[0].config
+            coeff, config.moe_aux_loss_coeff = config.moe_aux_loss_coeff, 0.0
+        elif self._is_moe and bool(layout.padding.any()):
+            kwargs["padding_mask"] = layout.padding
+        try:
+            if layout.exact_positions:
+                with token_positions(model, layout.position_ids):
+                    return model(layout.input_ids, layout.position_ids, **kwargs)
+            return model(layout.input_ids, layout.position_ids, **kwargs)
+        finally:
+            if coeff is not None:
+                self.model[0].config.moe_aux_loss_coeff = coeff
 
     @staticmethod
     def _model_inputs(mb: Batch):
@@ -373,12 +428,11 @@ class TrainEngine:
         def step(data_iterator, model):
             mb = next(data_iterator)
             if replaying:
-                self.routing.replay(self._chunk_index(model), mb[ROUTES])
+                self._replay_routes(model, mb)
             output = self._run_model(model, mb)
             if recording:
                 chunk = self._chunk_index(model)
-                recorded.append((self._micro_index(mb), chunk,
-                                 self.routing.recorded(chunk, mb["attention_mask"])))
+                recorded.append((self._micro_index(mb), chunk, self._recorded_routes(chunk, mb)))
 
             def collect(output_tensor, non_loss_data=True):
                 return {k: v.detach().float().cpu() for k, v in
@@ -401,6 +455,24 @@ class TrainEngine:
         if recording:
             out[ROUTES] = self._assemble_routes(batch, plan, recorded)
         return out
+
+    def _replay_routes(self, model, mb: Batch) -> None:
+        routes = mb[ROUTES]
+        if self.packing:  # the routes of the tokens in the order the model runs them
+            from mcore_rl.train.packing import to_packed
+
+            routes = to_packed(routes, self._layouts[id(mb)], mb["attention_mask"])
+        self.routing.replay(self._chunk_index(model), routes)
+
+    def _recorded_routes(self, chunk: int, mb: Batch) -> dict:
+        if not self.packing:
+            return self.routing.recorded(chunk, mb["attention_mask"])
+        from mcore_rl.train.packing import from_packed
+
+        layout = self._layouts[id(mb)]
+        layers = self.routing.recorded(chunk, ~layout.padding.cpu())
+        return {layer: from_packed(part, layout, mb["attention_mask"].cpu())
+                for layer, part in layers.items()}
 
     def _chunk_index(self, model) -> int:
         return next(i for i, m in enumerate(self.model) if m is model)
@@ -444,7 +516,7 @@ class TrainEngine:
         def step(data_iterator, model):
             mb = next(data_iterator)
             if replaying:
-                self.routing.replay(self._chunk_index(model), mb[ROUTES])
+                self._replay_routes(model, mb)
             output = self._run_model(model, mb)
 
             def loss(output_tensor):

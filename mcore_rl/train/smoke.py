@@ -67,7 +67,7 @@ class SmokeRun:
         chunks = build_gpt_chunks(self.arch, ctx, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
                                   sequence_parallel=cfg.parallel.sequence_parallel)
         self.engine = build_engine(chunks, ctx, vocab_size=self.arch.vocab_size, optim=optim,
-                                   total_steps=self.steps)
+                                   total_steps=self.steps, packing=cfg.train.packing)
         self.checkpoints = RunCheckpoints.for_config(cfg)
         self.losses: list[float] = []
         resume = self.checkpoints.resolve_resume(cfg.checkpoint.resume, ["model"],

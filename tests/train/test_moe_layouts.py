@@ -40,7 +40,7 @@ BATCHES = {"even": fixed_batch, "uneven": uneven_batch}
 AUX_LOSS = 0.05
 
 
-def _engine(ctx, dispatcher, aux: float = 0.0, tokens: int = 48):
+def _engine(ctx, dispatcher, aux: float = 0.0, tokens: int = 48, packing: bool = False):
     from mcore_rl.config import OptimizerConfig
     from mcore_rl.models.gpt import build_gpt_chunks
     from mcore_rl.models.moe import MoeOptions
@@ -49,11 +49,11 @@ def _engine(ctx, dispatcher, aux: float = 0.0, tokens: int = 48):
     optim = OptimizerConfig(name="sgd", lr=0.5, clip_grad=0.0, micro_batch_tokens=tokens)
     chunks = build_gpt_chunks(ARCH, ctx, moe=MoeOptions(dispatcher=dispatcher, aux_loss_coef=aux,
                                                         routing_replay=True))
-    return build_engine(chunks, ctx, vocab_size=VOCAB, optim=optim)
+    return build_engine(chunks, ctx, vocab_size=VOCAB, optim=optim, packing=packing)
 
 
 def _train_once(rank, world_size, ep, dispatcher, batch, init_dir, out_dir, aux=0.0, routes=None,
-                tp=1):
+                tp=1, packing=False):
     """One SGD step; ``routes`` (recorded on one rank) replayed when given. With ``routes
     == "record"``: record the batch's routes first (one rank) and return them too."""
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
@@ -63,7 +63,7 @@ def _train_once(rank, world_size, ep, dispatcher, batch, init_dir, out_dir, aux=
     ctx = initialize_parallel(tp=tp, ep=ep, seed=11)
     # With the aux loss on, one sequence per micro-batch (34 tokens): every layout runs the
     # same micro-batches, as the load-balancing loss is a statistic of its micro-batch.
-    engine = _engine(ctx, dispatcher, aux, tokens=34 if aux else 48)
+    engine = _engine(ctx, dispatcher, aux, tokens=34 if aux else 48, packing=packing)
     if os.path.exists(init_dir):
         load_engine(engine, init_dir, load_optimizer=False)
     else:
@@ -109,9 +109,13 @@ def test_one_train_batch_of_a_moe_model_updates_parameters_identically_at_ep2(tm
     assert any(".experts." in k for k in expected)
     moved, _ = max_relative_difference(expected, before)
     assert moved > 1e-3, "the step must change the parameters visibly"
-    for name, (ep, dispatcher) in LAYOUTS.items():
+    layouts = {name: (ep, dispatcher, False) for name, (ep, dispatcher) in LAYOUTS.items()}
+    if batch == "uneven":  # packed: one length for every micro-batch, an all-padding one
+        layouts["EP2-allgather-packed"] = (2, "allgather", True)
+    for name, (ep, dispatcher, packing) in layouts.items():
         out = str(tmp_path / name)
-        for step_loss, units, _, _ in world.run(_train_once, ep, dispatcher, batch, init, out):
+        for step_loss, units, _, _ in world.run(_train_once, ep, dispatcher, batch, init, out,
+                                                packing=packing):
             assert units == ref_units
             assert step_loss == pytest.approx(ref_loss, rel=1e-5)
         got = oracle.run(_model_tensors, out)[0]
