@@ -55,6 +55,9 @@ def check_out(path: str | None) -> None:
 def run(args) -> int:
     from mcore_rl.plan.scaling import format_table, plan_for_devices, split_devices
 
+    if args.costs is None or args.devices is None:
+        raise UsageError("plan: give --costs FILE --devices N,... (schedules on a device "
+                         "budget), or: mcore-rl plan memory CONFIG (memory per rank)")
     costs = load_costs(args.costs)
     devices = parse_list("--devices", args.devices, int, "8,64")
     shares = parse_list("--engine-share", args.engine_share, float, "0.5,0.75")
@@ -96,8 +99,8 @@ def register(subparsers) -> None:
         "plan", help="simulate each schedule on a device budget (model output, not measurements)",
         description="Simulate sync, one_step_off and async (each K) for each device count, "
                     "from per-phase costs; print a table, optionally write JSON.")
-    p.add_argument("--costs", required=True, help=f"costs JSON (CostModel fields), e.g. {EXAMPLE}")
-    p.add_argument("--devices", required=True, help="device counts, comma-separated (e.g. 8,64)")
+    p.add_argument("--costs", help=f"costs JSON (CostModel fields), e.g. {EXAMPLE}")
+    p.add_argument("--devices", help="device counts, comma-separated (e.g. 8,64)")
     p.add_argument("--engine-share", default="0.5",
                    help="fractions of the devices for engine replicas, comma-separated "
                         "(default 0.5)")
@@ -115,3 +118,6 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the response-length draws")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     p.set_defaults(func=run)
+    from mcore_rl.cli import plan_memory
+
+    plan_memory.register(p.add_subparsers(dest="plan_what", metavar="{memory}"))
