@@ -6,7 +6,8 @@
 #
 #   1. the tests marked `gpu`: Triton kernels compiled for the GPU against their references,
 #      the train engine on the GPU (and its offload to host memory, `train.offload`), the
-#      weight stream from a trainer whose weights live there, and SGLang where it is installed;
+#      weight stream from a trainer whose weights live there, the memory planner against the
+#      GPU's peak (`mcore-rl plan memory`), and SGLang where it is installed;
 #   2. the kernel benchmark on the GPU (OUT_DIR/bench_kernels.json);
 #   3. the quick start's GRPO run on one GPU under torchrun (the job's graph fused into the
 #      rank, without Ray, which the GPU machine may lack): Megatron actor on the GPU, the
