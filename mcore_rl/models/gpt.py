@@ -71,6 +71,7 @@ def build_transformer_config(arch: ModelArch, ctx: ParallelContext, dtype: str =
         tensor_model_parallel_size=ctx.tp,
         pipeline_model_parallel_size=ctx.pp,
         virtual_pipeline_model_parallel_size=ctx.vpp,
+        context_parallel_size=getattr(ctx, "cp", 1),
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -28,7 +28,27 @@ from megatron.core.transformer.enums import AttnMaskType
 
 
 class SDPAttention(DotProductAttention):
-    """`DotProductAttention` with the fused kernel where it computes the same thing."""
+    """`DotProductAttention` with the fused kernel where it computes the same thing, and
+    context parallelism (`mcore_rl.train.context_parallel`), which Megatron's local
+    attention refuses."""
+
+    def __init__(self, config, *args, **kwargs):
+        cp = getattr(config, "context_parallel_size", 1)
+        if cp > 1:  # Megatron's class asserts CP == 1; what it builds does not depend on CP
+            from dataclasses import replace
+
+            super().__init__(replace(config, context_parallel_size=1), *args, **kwargs)
+            self.config = config
+            pg = kwargs.get("pg_collection")
+            if pg is not None and getattr(pg, "cp", None) is not None:
+                self.cp_group = pg.cp
+            else:
+                from megatron.core import parallel_state
+
+                self.cp_group = parallel_state.get_context_parallel_group()
+        else:
+            super().__init__(config, *args, **kwargs)
+            self.cp_group = None
 
     def _fused_applies(self, query, key, attention_mask, attn_mask_type, attention_bias,
                        packed_seq_params) -> bool:
@@ -47,6 +67,9 @@ class SDPAttention(DotProductAttention):
                 packed_seq_params=None):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._segments(query, key, value, attention_bias, packed_seq_params)
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, attention_mask, attn_mask_type,
+                                          attention_bias)
         if not self._fused_applies(query, key, attention_mask, attn_mask_type, attention_bias,
                                    packed_seq_params):
             return super().forward(query, key, value, attention_mask, attn_mask_type,
@@ -64,6 +87,29 @@ class SDPAttention(DotProductAttention):
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
+
+    def _context_parallel(self, query, key, value, attention_mask, attn_mask_type,
+                          attention_bias):
+        """This rank's queries (two chunks of the sequence) over every CP rank's keys and
+        values, causal by global position."""
+        from mcore_rl.train.context_parallel import (causal_attention, chunk_positions,
+                                                     gather_sequence)
+
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if not self._fused_applies(query, key, attention_mask, attn_mask_type, attention_bias,
+                                   None) or attention_mask is not None \
+                or mask_type != AttnMaskType.causal:
+            raise NotImplementedError("context parallelism on the local attention takes plain "
+                                      "causal softmax attention only; set parallel.cp: 1")
+        cp = self.cp_group.size()
+        local = query.shape[0]
+        positions = chunk_positions(local * cp, cp, self.cp_group.rank(), query.device)
+        key, value = (gather_sequence(t, self.cp_group) for t in (key, value))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        grouped = self.num_attention_heads_per_partition > self.num_query_groups_per_partition
+        out = causal_attention(q, k, v, positions, self.softmax_scale, grouped)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
     def _segments(self, query, key, value, attention_bias, params):
         """[t, heads, d] packed tokens -> [t, heads * d], attention within each segment."""

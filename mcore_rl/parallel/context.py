@@ -28,10 +28,13 @@ class Layout:
     ranks (Megatron carves it out of the ranks of one pipeline stage: tp x dp)."""
     etp: int | None = None
     """Tensor-parallel size inside each expert; None: ``tp`` (Megatron's default)."""
+    cp: int = 1
+    """Context-parallel size: each sequence is split over cp ranks
+    (`mcore_rl.train.context_parallel`)."""
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def expert_tp(self) -> int:
@@ -41,7 +44,8 @@ class Layout:
         vpp = f"xVPP{self.vpp}" if self.vpp else ""
         ep = f"xEP{self.ep}" if self.ep > 1 else ""
         etp = f"xETP{self.etp}" if self.etp is not None and self.etp != self.tp else ""
-        return f"TP{self.tp}xPP{self.pp}{vpp}xDP{self.dp}{ep}{etp}"
+        cp = f"xCP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp}{cp}xPP{self.pp}{vpp}xDP{self.dp}{ep}{etp}"
 
 
 @dataclass
@@ -65,6 +69,9 @@ class ParallelContext:
     dp_group: dist.ProcessGroup | None = field(repr=False)
     mp_group: dist.ProcessGroup | None = field(repr=False)
     embedding_group: dist.ProcessGroup | None = field(repr=False, default=None)
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = field(repr=False, default=None)
+    """The ranks that split each sequence with this one (None without CP)."""
     world_group: dist.ProcessGroup | None = field(repr=False, default=None)
     """Every rank of this job (the trainer's world); None: torch.distributed's default group.
     Job-wide collectives (broadcasting a rollout, barriers) go over it, so the trainer can
@@ -81,6 +88,10 @@ class ParallelContext:
     @property
     def dp(self) -> int:
         return self.layout.dp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
 
     @property
     def vpp(self) -> int | None:

@@ -48,7 +48,7 @@ def init_process_group(backend: str = "auto", timeout_minutes: int = 30) -> None
 
 def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 1,
                         vpp: int | None = None, ep: int = 1, etp: int | None = None,
-                        seed: int = 1234, backend: str = "auto") -> ParallelContext:
+                        cp: int = 1, seed: int = 1234, backend: str = "auto") -> ParallelContext:
     """Initialise distributed state for ``layout`` (dp inferred from the world size).
 
     Applies the Megatron CPU compatibility layer when CUDA is unavailable, builds Megatron's
@@ -58,15 +58,15 @@ def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 
     of mcore-rl receives as an argument.
     """
     if layout is not None:
-        tp, pp, vpp, ep, etp = layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp
+        tp, pp, vpp, ep, etp, cp = layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp, layout.cp
     init_process_group(backend)
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
-    dp = world // (tp * pp)
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    dp = world // (tp * pp * cp)
     if layout is not None and layout.dp != dp:
         raise ValueError(f"layout {layout} needs {layout.world_size} ranks, world has {world}")
-    layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep, etp=etp)
+    layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep, etp=etp, cp=cp)
     if (world // pp) % (ep * layout.expert_tp):
         raise ValueError(f"ep*etp = {ep}*{layout.expert_tp} does not divide the {world // pp} "
                          f"ranks of a pipeline stage")
@@ -83,6 +83,7 @@ def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         # gloo duplicates of every group are only needed by the distributed optimizer's
@@ -105,6 +106,8 @@ def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 
         dp_group=ps.get_data_parallel_group(),
         mp_group=ps.get_model_parallel_group(),
         embedding_group=ps.get_embedding_group(check_initialized=False),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_group=ps.get_context_parallel_group() if cp > 1 else None,
     )
     log.info("parallel layout %s ready on rank %d (%s)", layout, ctx.rank, ctx.backend)
     return ctx

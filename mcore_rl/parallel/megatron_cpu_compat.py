@@ -145,6 +145,8 @@ class MegatronCudaToCpuMode(TorchFunctionMode):
         if device is not None and _is_cuda_device(device) and _called_from_megatron(1):
             kwargs = {**kwargs, "device": "cpu"}
             kwargs.pop("pin_memory", None)
+        elif kwargs.get("pin_memory") and _called_from_megatron(1):  # staged for a .cuda()
+            kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
         elif func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]) \
                 and _called_from_megatron(1):
             args = (args[0], "cpu", *args[2:])

@@ -134,6 +134,12 @@ class TrainEngine:
             from mcore_rl.train.packing import check_packing_supported
 
             check_packing_supported(chunks)
+            if ctx.cp > 1:
+                raise ValueError("train.packing with parallel.cp > 1 is not supported yet; set "
+                                 "one of them off")
+        if ctx.cp > 1 and getattr(chunks[0].config, "num_moe_experts", None):
+            raise ValueError("parallel.cp > 1 with a mixture-of-experts model is not supported "
+                             "yet; set parallel.cp: 1")
         self.packing = packing
         self._micro: list[Batch] = []
         self._layouts: dict[int, SharedLayout] = {}
@@ -149,6 +155,8 @@ class TrainEngine:
         the truncated distribution and ``kept`` (1/0) says whether each token is in its kept
         set: the one the engine reported (``kept_ids`` in the micro-batch), else the one these
         logits give."""
+        if self.ctx.cp > 1:
+            return self._cp_head_outputs(output, mb, temperature, with_entropy, truncation)
         layout = self._layouts.get(id(mb))
         if layout is not None:
             output = unshare(output, layout)
@@ -180,6 +188,62 @@ class TrainEngine:
         res = list(res) if isinstance(res, tuple) else [res]
         names = ["logprobs"] + (["entropy"] if with_entropy else []) + (["kept"] if truncated else [])
         return {name: torch.nn.functional.pad(v.float(), (1, 0)) * real for name, v in zip(names, res)}
+
+    def _cp_head_outputs(self, output: torch.Tensor, mb: Batch, temperature: float,
+                         with_entropy: bool, truncation: tuple[int, float]) -> dict:
+        """`_head_outputs` under context parallelism: ``output`` holds this rank's positions
+        only; each output is computed there, placed in the whole [b, T] and summed over the CP
+        group (`mcore_rl.train.context_parallel.cp_sum`)."""
+        from mcore_rl.train.context_parallel import cp_sum
+
+        local = self._cp_positions(mb)
+        b, T = mb["input_ids"].shape
+        real = mb["attention_mask"].to(torch.float32)
+        group = self.ctx.cp_group
+
+        def whole(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+            """[b, len(columns)] at those columns of a [b, T] of zeros, summed over CP."""
+            keep = columns < T
+            full = values.new_zeros((b, T), dtype=torch.float32)
+            return cp_sum(full.index_copy(1, columns[keep], values[:, keep].float()), group)
+
+        if self.kind in ("value", "reward"):
+            values = whole(output.float().reshape(b, -1), local)
+            if self.kind == "reward":
+                last = (mb["attention_mask"].sum(-1) - 1).clamp(min=0)
+                return {"reward": values[torch.arange(b, device=last.device), last]}
+            return {"values": shift_right(values) * real}
+        # Position p predicts token p + 1: the labels (and what the loss reads) one column on.
+        nxt = (local + 1).clamp(max=T - 1)
+        labels = mb["input_ids"][:, nxt]
+        inside = (local + 1 < T)[None, :].expand(b, -1)
+        tp_group = self.ctx.tp_group if self.ctx.tp > 1 else None
+        truncated = truncation != NO_TRUNCATION
+        kept = reported_kept_ids(mb, truncated)  # aligned with labels: [b, T - 1]
+        if kept is not None:
+            kept = torch.nn.functional.pad(kept, (0, 0, 0, 1), value=-1)[:, local]
+        names = ["logprobs"] + (["entropy"] if with_entropy else []) + (["kept"] if truncated else [])
+        common = dict(vocab_size=self.vocab_size, tp_group=tp_group, temperature=temperature,
+                      return_entropy=with_entropy, impl=self.logprob_impl, top_k=truncation[0],
+                      top_p=truncation[1], return_kept=truncated)
+        if self.output_weight is not None:  # the fused head, at response tokens only
+            from mcore_rl.kernels import linear_token_logprobs
+
+            target = mb["response_mask"][:, nxt].bool() & inside
+            res = linear_token_logprobs(output[target], self.output_weight, labels[target],
+                                        kept_ids=None if kept is None else kept[target], **common)
+            flat = list(res) if isinstance(res, tuple) else [res]
+            per_position = []
+            for v in flat:
+                v = v.float()
+                per_position.append(torch.zeros(target.shape, dtype=v.dtype,
+                                                device=v.device).masked_scatter(target, v))
+        else:
+            from mcore_rl.kernels import token_logprobs
+
+            res = token_logprobs(output, labels, kept_ids=kept, **common)
+            per_position = [v.float() * inside for v in (list(res) if isinstance(res, tuple) else [res])]
+        return {name: whole(v, local + 1) * real for name, v in zip(names, per_position)}
 
     def _plan(self, batch: Batch) -> list[list[int]]:
         """This DP rank's micro-batches as index lists into ``batch``. Rows that share a
@@ -257,10 +321,11 @@ class TrainEngine:
             uniform = True
         else:
             uniform = False
+        multiple = 2 * self.ctx.cp  # context parallelism: 2 x cp chunks per sequence
         if self.model[0].config.sequence_parallel and uniform is not None:
-            # The sequence is split over the TP ranks: a multiple of tp tokens per sequence.
-            tp = self.ctx.tp
-            micro = [m.padded_to(len(m), -(-m.num_tokens // tp) * tp) for m in micro]
+            multiple *= self.ctx.tp  # each chunk split over the TP ranks
+        if multiple > 1 and uniform is not None:
+            micro = [m.padded_to(len(m), -(-m.num_tokens // multiple) * multiple) for m in micro]
         self._micro = micro
         if self.shares_prompts and uniform is False:
             sp = self.ctx.tp if self.model[0].config.sequence_parallel else 1
@@ -349,12 +414,19 @@ class TrainEngine:
             if coeff is not None:
                 self.model[0].config.moe_aux_loss_coeff = coeff
 
-    @staticmethod
-    def _model_inputs(mb: Batch):
+    def _model_inputs(self, mb: Batch):
         ids = mb["input_ids"]
         position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        if self.ctx.cp > 1:  # this CP rank's two chunks of every row
+            local = self._cp_positions(mb)
+            ids, position_ids = ids[:, local], position_ids[:, local]
         # Right padding + causal attention: no mask needed (see mcore_rl.data.batch).
         return ids, position_ids
+
+    def _cp_positions(self, mb: Batch) -> torch.Tensor:
+        from mcore_rl.train.context_parallel import chunk_positions
+
+        return chunk_positions(mb.num_tokens, self.ctx.cp, self.ctx.cp_rank, mb["input_ids"].device)
 
     # ----- the devices, shared with a colocated engine -----------------------------------
     def offload(self) -> None:
@@ -526,6 +598,8 @@ class TrainEngine:
                 units = torch.as_tensor(units, dtype=torch.int).reshape(())
                 report = {"loss": total.detach().clone().float(), "units": units.float(),
                           **{k: torch.as_tensor(v).detach().clone().float() for k, v in metrics.items()}}
+                if self.ctx.cp_rank > 0:  # every CP rank has the whole loss; count it once
+                    units = torch.zeros_like(units)
                 return total, units, report
 
             return output, loss

@@ -52,8 +52,8 @@ def _stream(rank, world_size, layout, hf_dir, start_dir, wire, hook=None, thread
     from mcore_rl.reshard.sources import local_holdings
     from mcore_rl.reshard.stream import WeightSync
 
-    tp, pp, vpp = layout
-    ctx = initialize_parallel(tp=tp, pp=pp, vpp=vpp)
+    tp, pp, vpp, *cp = layout
+    ctx = initialize_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp[0] if cp else 1)
     built = build_model(hf_dir, ctx)
     engine = HFEngine(start_dir) if rank == 0 else None
     try:
@@ -107,6 +107,19 @@ def test_every_layout_streams_the_exact_hf_tensors_into_the_engine(world, models
         assert results[0]["version"] == 3
         for hf_name, tensor in expected.items():
             assert torch.equal(params[hf_name], tensor), f"{variant} {name}: {hf_name} differs"
+
+
+def test_context_parallelism_is_not_a_weight_layout(world, models):
+    """CP2 and TP2 x CP2 stream the same exact tensors: the CP ranks beyond the first hold
+    replicas and write nothing."""
+    hf_dir, start_dir, expected = models["qwen2-tied"]
+    for name, layout in {"CP2xDP2": (1, 1, None, 2), "TP2xCP2": (2, 1, None, 2)}.items():
+        results = world.run(_stream, layout, hf_dir, start_dir, "float32", transport="shared")
+        assert all(r["error"] is None for r in results), (name, results[0]["error"])
+        writers = {h.rank for r in results for h in r["holdings"] if h.main}
+        assert writers == ({0} if layout[0] == 1 else {0, 1}), (name, writers)
+        for hf_name, tensor in expected.items():
+            assert torch.equal(results[0]["params"][hf_name], tensor), f"{name}: {hf_name} differs"
 
 
 def _stream_into_two_engines(rank, world_size, hf_dir, start_dir, fail_second=False):
@@ -276,8 +289,8 @@ def _gathered(rank, world_size, layout, hf_dir):
     from mcore_rl.reshard.gather import gather_hf_tensors
     from mcore_rl.reshard.sources import local_holdings
 
-    tp, pp, vpp = layout
-    ctx = initialize_parallel(tp=tp, pp=pp, vpp=vpp)
+    tp, pp, vpp, *cp = layout
+    ctx = initialize_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp[0] if cp else 1)
     try:
         built = build_model(hf_dir, ctx)
         holdings, views = local_holdings(built.chunks, rank)
