@@ -34,7 +34,7 @@ def build_request(args):
 
     if args.procs_per_node is not None:
         raise UsageError("--procs-per-node does not apply: the job's graph places its ranks on "
-                         "Ray (tp*pp*dp of the config); give --gpus-per-node G (GPU nodes) or "
+                         "Ray (tp*pp*cp*dp of the config); give --gpus-per-node G (GPU nodes) or "
                          "--cpus-per-node C (CPU nodes)")
     script = Path(args.config)
     if script.suffix not in (".py", ".yaml", ".yml"):

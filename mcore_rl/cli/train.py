@@ -70,12 +70,12 @@ def run(args) -> int:
         return run_on_launcher_ranks(args)
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}; give the number of ranks "
-                         "to start, or leave it out for tp*pp*dp of the config")
+                         "to start, or leave it out for tp*pp*cp*dp of the config")
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:  # the layout against that many ranks, then its dp
         check_config(cfg, args.nproc)
         p = cfg.parallel
-        cfg = replace(cfg, parallel=replace(p, dp=args.nproc // (p.tp * p.pp)))
+        cfg = replace(cfg, parallel=replace(p, dp=args.nproc // (p.tp * p.pp * p.cp)))
     check_runnable(cfg, world_size_of(cfg))
     return run_checked(cfg)
 
@@ -209,8 +209,9 @@ def run_on_launcher_ranks(args) -> int:
 def describe(cfg: RLConfig) -> str:
     """One line: the job, the trainer's layout and, for RL, its roles and placement."""
     p = cfg.parallel
-    world = (p.dp or 1) * p.tp * p.pp
-    layout = f"{world} trainer rank(s), TP{p.tp}xPP{p.pp}xDP{world // (p.tp * p.pp)}"
+    world = (p.dp or 1) * p.tp * p.pp * p.cp
+    cp = f"xCP{p.cp}" if p.cp > 1 else ""
+    layout = f"{world} trainer rank(s), TP{p.tp}{cp}xPP{p.pp}xDP{p.dp or 1}"
     if cfg.train.job != "rl":
         return f"{cfg.train.job}: {layout}"
     r = cfg.rollout
@@ -224,5 +225,5 @@ def register(subparsers) -> None:
     p.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides")
     p.add_argument("--nproc", type=int, default=None,
-                   help="trainer ranks (default: tp*pp*dp of the config; sets parallel.dp)")
+                   help="trainer ranks (default: tp*pp*cp*dp of the config; sets parallel.dp)")
     p.set_defaults(func=run)

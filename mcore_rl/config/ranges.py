@@ -54,6 +54,7 @@ RANGES: dict[str, Range] = {
                                            "moe_intermediate_size")},
     "model.num_experts": Range(low=0, fix="0 is a dense model"),
     "parallel.tp": COUNT, "parallel.pp": COUNT, "parallel.vpp": COUNT, "parallel.dp": COUNT,
+    "parallel.cp": COUNT,
     "parallel.cpu_threads_per_rank": COUNT, "parallel.ep": COUNT, "parallel.etp": COUNT,
     "moe.aux_loss_coef": NON_NEGATIVE,
     "rollout.engine_tp": COUNT,

@@ -52,7 +52,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How ranks split the model: tp x pp x dp = world size. Actor, critic and reference
+    """How ranks split the model: tp x pp x cp x dp = world size. Actor, critic and reference
     share this layout."""
 
     tp: int = 1
@@ -62,7 +62,14 @@ class ParallelConfig:
     vpp: int | None = None
     """Virtual pipeline stages per PP rank (interleaved 1F1B); pp*vpp must divide layers."""
     dp: int | None = None
-    """Data-parallel size; None: world size / (tp*pp)."""
+    """Data-parallel size; None: world size / (tp*pp*cp)."""
+    cp: int = 1
+    """Context-parallel size: each sequence of a micro-batch is split over cp ranks in
+    Megatron's load-balanced order (2 x cp chunks, rank r runs chunks r and 2cp-1-r) and
+    attention gathers keys and values from all of them, which divides activations by cp
+    for long sequences (`mcore_rl.train.context_parallel`). Dense models; not with
+    ``train.packing`` yet. On the local layer spec (Transformer Engine's CP attention is
+    not wired yet)."""
     ep: int = 1
     """Expert-parallel size (mixture-of-experts models): the experts of every layer are split
     over ep ranks; must divide the number of experts, and ep*etp the tp*dp ranks of a

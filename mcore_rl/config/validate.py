@@ -69,6 +69,12 @@ def validate_layout(cfg: RLConfig, world_size: int | None = None, shape=None) ->
                 f"{shape.num_layers} layers; each virtual stage needs a whole number of layers")
     if p.dp is not None and p.dp < 1:
         raise ConfigError(f"parallel.dp must be >= 1 or null, got {p.dp}")
+    if p.cp > 1 and shape.num_experts:
+        raise ConfigError(f"parallel.cp={p.cp}: context parallelism with a mixture-of-experts "
+                          "model is not supported yet; set parallel.cp=1")
+    if p.cp > 1 and cfg.train.packing:
+        raise ConfigError(f"parallel.cp={p.cp} with train.packing: packed sequences are not "
+                          "split over CP ranks yet; set train.packing=false or parallel.cp=1")
     _validate_experts(cfg, shape)
     if world_size is None:
         return p.dp or 1
@@ -85,16 +91,16 @@ def validate_layout(cfg: RLConfig, world_size: int | None = None, shape=None) ->
 
 def _data_parallel_size(cfg: RLConfig, world_size: int) -> int:
     p = cfg.parallel
-    model_parallel = p.tp * p.pp
+    model_parallel = p.tp * p.pp * p.cp
     if p.dp is not None:
         if model_parallel * p.dp != world_size:
             raise ConfigError(
-                f"parallel: tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {model_parallel * p.dp} ranks, but the "
+                f"parallel: tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp} = {model_parallel * p.dp} ranks, but the "
                 f"world has {world_size}; set parallel.dp={world_size // model_parallel or 1} or "
                 f"launch {model_parallel * p.dp} ranks")
         return p.dp
     if world_size % model_parallel:
-        raise ConfigError(f"parallel: world size {world_size} is not a multiple of tp*pp = "
+        raise ConfigError(f"parallel: world size {world_size} is not a multiple of tp*pp*cp = "
                           f"{model_parallel}; launch a multiple of {model_parallel} ranks")
     return world_size // model_parallel
 

@@ -40,13 +40,15 @@ class MegatronSetup:
     backend: str
     ep: int = 1
     etp: int | None = None
+    cp: int = 1
 
     def __call__(self, rank: int, world_size: int) -> None:
         global _context
         from mcore_rl.parallel import initialize_parallel
 
         _context = initialize_parallel(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep,
-                                       etp=self.etp, seed=self.seed, backend=self.backend)
+                                       etp=self.etp, cp=self.cp, seed=self.seed,
+                                       backend=self.backend)
 
     @staticmethod
     def outside():
@@ -59,7 +61,7 @@ class MegatronSetup:
 
 @dataclass(frozen=True)
 class Megatron:
-    """A Megatron layout as a controller strategy: ``tp * pp * dp`` ranks in one world."""
+    """A Megatron layout as a controller strategy: ``tp * pp * cp * dp`` ranks in one world."""
 
     runs_ranks: ClassVar[bool] = True
     """Its ranks are processes of their own, one rank included (`gpu_placement.runs_ranks`)."""
@@ -77,9 +79,11 @@ class Megatron:
     """Expert parallelism of MoE layers (within the data-parallel ranks, as Megatron has it)."""
     etp: int | None = None
     """Expert tensor parallelism (None: the same as ``tp``)."""
+    cp: int = 1
+    """Context parallelism: each sequence split over ``cp`` ranks."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "threads_per_rank"):
+        for name in ("tp", "pp", "dp", "cp", "threads_per_rank"):
             if getattr(self, name) < 1:
                 raise UsageError(f"Megatron strategy: {name} must be >= 1, got {getattr(self, name)}")
         if self.vpp is not None and (self.vpp < 1 or self.pp < 2):
@@ -87,14 +91,15 @@ class Megatron:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     def rank_setup(self, backend: str | None = None) -> MegatronSetup:
         """What each rank runs after joining the world (``backend``: the world's)."""
         from mcore_rl.parallel.initialize import default_backend
 
         backend = backend or (default_backend() if self.backend == "auto" else self.backend)
-        return MegatronSetup(self.tp, self.pp, self.vpp, self.seed, backend, self.ep, self.etp)
+        return MegatronSetup(self.tp, self.pp, self.vpp, self.seed, backend, self.ep, self.etp,
+                             self.cp)
 
     def __call__(self, spec, placements: list[dict] | None = None):
         from mcore_rl.flow.worker_group import WorkerGroup

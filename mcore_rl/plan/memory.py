@@ -103,7 +103,7 @@ class Shape:
                                                      2 if cfg.model.dtype == "bf16" else 4)
         from mcore_rl.algos.advantages import needs_critic
 
-        return cls(arch=arch, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=getattr(p, "cp", 1), dp=dp,
+        return cls(arch=arch, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=dp,
                    ep=p.ep, etp=p.etp, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
                    sequence_parallel=p.sequence_parallel or (arch.is_moe and p.tp > 1),
                    distributed_optimizer=cfg.optimizer.distributed,

@@ -131,9 +131,9 @@ def trainer_strategy(cfg: RLConfig):
     from mcore_rl.flow import Megatron
 
     p = cfg.parallel
-    world = (p.dp or 1) * p.tp * p.pp
-    return Megatron(tp=p.tp, pp=p.pp, dp=world // (p.tp * p.pp), vpp=p.vpp, seed=cfg.train.seed,
-                    threads_per_rank=p.cpu_threads_per_rank, backend=p.backend, ep=p.ep, etp=p.etp)
+    return Megatron(tp=p.tp, pp=p.pp, dp=p.dp or 1, vpp=p.vpp, seed=cfg.train.seed,
+                    threads_per_rank=p.cpu_threads_per_rank, backend=p.backend, ep=p.ep, etp=p.etp,
+                    cp=p.cp)
 
 
 def replica_cores(replicas: int, gpus: bool) -> list[list[int] | None]:

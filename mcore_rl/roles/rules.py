@@ -15,9 +15,9 @@ API_JOBS = ("rl", "sft", "rm", "dpo", "kto")
 
 
 def world_size_of(cfg: RLConfig) -> int:
-    """The trainer's ranks: ``tp * pp * dp`` (dp 1 when unset)."""
+    """The trainer's ranks: ``tp * pp * cp * dp`` (dp 1 when unset)."""
     p = cfg.parallel
-    return (p.dp or 1) * p.tp * p.pp
+    return (p.dp or 1) * p.tp * p.pp * p.cp
 
 
 def check_config(cfg: RLConfig, world_size: int | None = None, driver: str = "train") -> RLConfig:

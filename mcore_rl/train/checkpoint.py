@@ -37,13 +37,17 @@ def _model_sharded_state_dict(engine: TrainEngine) -> dict:
 
 def _layout(engine: TrainEngine) -> dict:
     lay = engine.ctx.layout
-    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "vpp": lay.vpp}
+    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "vpp": lay.vpp,
+            **({"cp": lay.cp} if lay.cp > 1 else {})}
 
 
 def _rng_object(engine: TrainEngine, state: Any):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     c = engine.ctx
+    if c.cp > 1:  # one RNG state per rank: the CP ranks' too
+        return ShardedObject("rng_state", state, (c.pp, c.tp, c.cp, c.dp),
+                             (c.pp_rank, c.tp_rank, c.cp_rank, c.dp_rank), replica_id=0)
     return ShardedObject("rng_state", state, (c.pp, c.tp, c.dp), (c.pp_rank, c.tp_rank, c.dp_rank),
                          replica_id=0)
 

@@ -43,8 +43,8 @@ def _run(rank, world_size, layout, ckpt, k):
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
     from mcore_rl.train.checkpoint import load_engine, save_engine
 
-    tp, pp = layout
-    ctx = initialize_parallel(tp=tp, pp=pp, seed=5)
+    tp, pp, cp = layout
+    ctx = initialize_parallel(tp=tp, pp=pp, cp=cp, seed=5)
     engine = _engine(ctx)
     for step in range(k):
         engine.train_batch(batch_for_step(step), loss_fn)
@@ -55,7 +55,7 @@ def _run(rank, world_size, layout, ckpt, k):
     destroy_parallel()
 
     # A new process state: other seed, fresh model and optimizer, then resume.
-    ctx = initialize_parallel(tp=tp, pp=pp, seed=99)
+    ctx = initialize_parallel(tp=tp, pp=pp, cp=cp, seed=99)
     engine = _engine(ctx, seed_offset=1)
     extra = load_engine(engine, ckpt)
     for step in range(extra["data_position"], extra["data_position"] + 2):
@@ -71,7 +71,7 @@ def world():
     return shared_world(2)
 
 
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["TP2", "PP2"])
+@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["TP2", "PP2", "CP2"])
 def test_resume_after_step_k_is_bit_identical_two_steps_later(world, tmp_path, layout):
     for unequal, lr_a, lr_b, steps in world.run(_run, layout, str(tmp_path / "ckpt"), 2):
         assert unequal == [], f"parameters differ after resuming: {unequal[:5]}"
