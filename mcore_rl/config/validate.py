@@ -72,9 +72,6 @@ def validate_layout(cfg: RLConfig, world_size: int | None = None, shape=None) ->
     if p.cp > 1 and shape.num_experts:
         raise ConfigError(f"parallel.cp={p.cp}: context parallelism with a mixture-of-experts "
                           "model is not supported yet; set parallel.cp=1")
-    if p.cp > 1 and cfg.train.packing:
-        raise ConfigError(f"parallel.cp={p.cp} with train.packing: packed sequences are not "
-                          "split over CP ranks yet; set train.packing=false or parallel.cp=1")
     _validate_experts(cfg, shape)
     if world_size is None:
         return p.dp or 1
@@ -89,18 +86,26 @@ def validate_layout(cfg: RLConfig, world_size: int | None = None, shape=None) ->
     return dp
 
 
+def _product(p) -> str:
+    """``tp*pp*dp = 1*2*4`` (with cp when it is more than 1)."""
+    if p.cp > 1:
+        return f"tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp}"
+    return f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp}"
+
+
 def _data_parallel_size(cfg: RLConfig, world_size: int) -> int:
     p = cfg.parallel
     model_parallel = p.tp * p.pp * p.cp
     if p.dp is not None:
         if model_parallel * p.dp != world_size:
             raise ConfigError(
-                f"parallel: tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp} = {model_parallel * p.dp} ranks, but the "
+                f"parallel: {_product(p)} = {model_parallel * p.dp} ranks, but the "
                 f"world has {world_size}; set parallel.dp={world_size // model_parallel or 1} or "
                 f"launch {model_parallel * p.dp} ranks")
         return p.dp
     if world_size % model_parallel:
-        raise ConfigError(f"parallel: world size {world_size} is not a multiple of tp*pp*cp = "
+        raise ConfigError(f"parallel: world size {world_size} is not a multiple of "
+                          f"{'tp*pp*cp' if p.cp > 1 else 'tp*pp'} = "
                           f"{model_parallel}; launch a multiple of {model_parallel} ranks")
     return world_size // model_parallel
 

@@ -125,6 +125,8 @@ class SDPAttention(DotProductAttention):
         bounds = getattr(params, "segment_bounds", None) or tuple(params.cu_seqlens_q.tolist())
         masks = getattr(params, "segment_masks", None) or (None,) * (len(bounds) - 1)
         grouped = self.num_attention_heads_per_partition > self.num_query_groups_per_partition
+        if self.cp_group is not None:
+            return self._segments_context_parallel(query, key, value, bounds, masks, grouped)
         outs = []
         for start, end, mask in zip(bounds[:-1], bounds[1:], masks):
             # [n, heads, d] -> [1, heads, n, d]
@@ -136,6 +138,33 @@ class SDPAttention(DotProductAttention):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask,
                                                      scale=self.softmax_scale, enable_gqa=grouped)
             outs.append(out[0].permute(1, 0, 2))
+        out = torch.cat(outs)
+        return out.reshape(out.shape[0], self.hidden_size_per_partition)
+
+
+    def _segments_context_parallel(self, query, key, value, bounds, masks, grouped):
+        """Packed segments split over CP: this rank's two chunks of every segment (in
+        segment order) attend the whole segment, gathered from every CP rank."""
+        from mcore_rl.train.context_parallel import (causal_attention, chunk_positions,
+                                                     gather_sequence)
+
+        if any(m is not None for m in masks):
+            raise NotImplementedError("shared-prompt segments are not split over CP ranks")
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        spans = list(zip(bounds[:-1], bounds[1:]))
+        order = torch.cat([torch.cat([s + chunk_positions(e - s, cp, r) for s, e in spans])
+                           for r in range(cp)])
+        key, value = (gather_sequence(t, self.cp_group, order) for t in (key, value))
+        outs, at = [], 0
+        for start, end in spans:
+            n = (end - start) // cp
+            mine = chunk_positions(end - start, cp, rank, query.device)
+            # [n, heads, d] -> [1, heads, n, d]
+            q = query[at:at + n].permute(1, 0, 2)[None]
+            k, v = (t[start:end].permute(1, 0, 2)[None] for t in (key, value))
+            out = causal_attention(q, k, v, mine, self.softmax_scale, grouped)
+            outs.append(out[0].permute(1, 0, 2))
+            at += n
         out = torch.cat(outs)
         return out.reshape(out.shape[0], self.hidden_size_per_partition)
 

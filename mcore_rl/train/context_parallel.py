@@ -48,11 +48,11 @@ class _GatherSequence(torch.autograd.Function):
     summed gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, order):
         ctx.group = group
         cp = dist.get_world_size(group)
         T = x.shape[0] * cp
-        order = rank_order(T, cp, x.device)
+        order = rank_order(T, cp, x.device) if order is None else order.to(x.device)
         ctx.order = order
         out = torch.empty((T, *x.shape[1:]), dtype=x.dtype, device=x.device)
         out[order] = _gather(x, group)
@@ -67,14 +67,16 @@ class _GatherSequence(torch.autograd.Function):
         if dist.get_backend(group) == "nccl":
             out = torch.empty((n, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
             dist.reduce_scatter_tensor(out, in_rank_order, group=group)
-            return out, None
+            return out, None, None
         dist.all_reduce(in_rank_order, group=group)  # gloo has no reduce-scatter
-        return in_rank_order[rank * n:(rank + 1) * n], None
+        return in_rank_order[rank * n:(rank + 1) * n], None, None
 
 
-def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """Every CP rank's tokens of ``x`` ([2c, ...], sequence first) as the whole sequence."""
-    return _GatherSequence.apply(x, group)
+def gather_sequence(x: torch.Tensor, group, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Every CP rank's tokens of ``x`` ([2c, ...], sequence first) as the whole sequence.
+    ``order``: the global position of each token of the ranks' tokens laid end to end in
+    rank order (default: one sequence, `rank_order`; packed segments: each segment's)."""
+    return _GatherSequence.apply(x, group, order)
 
 
 class _SumOverRanks(torch.autograd.Function):

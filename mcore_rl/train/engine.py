@@ -134,9 +134,6 @@ class TrainEngine:
             from mcore_rl.train.packing import check_packing_supported
 
             check_packing_supported(chunks)
-            if ctx.cp > 1:
-                raise ValueError("train.packing with parallel.cp > 1 is not supported yet; set "
-                                 "one of them off")
         if ctx.cp > 1 and getattr(chunks[0].config, "num_moe_experts", None):
             raise ValueError("parallel.cp > 1 with a mixture-of-experts model is not supported "
                              "yet; set parallel.cp: 1")
@@ -192,36 +189,62 @@ class TrainEngine:
     def _cp_head_outputs(self, output: torch.Tensor, mb: Batch, temperature: float,
                          with_entropy: bool, truncation: tuple[int, float]) -> dict:
         """`_head_outputs` under context parallelism: ``output`` holds this rank's positions
-        only; each output is computed there, placed in the whole [b, T] and summed over the CP
-        group (`mcore_rl.train.context_parallel.cp_sum`)."""
+        only; each output is computed there, placed in the whole sequence and summed over the
+        CP group (`mcore_rl.train.context_parallel.cp_sum`). The sequences are the
+        micro-batch's rows, or its packed row (`mcore_rl.train.packing`), whose outputs then
+        go back to the rows."""
         from mcore_rl.train.context_parallel import cp_sum
 
-        local = self._cp_positions(mb)
-        b, T = mb["input_ids"].shape
         real = mb["attention_mask"].to(torch.float32)
+        truncated = truncation != NO_TRUNCATION
+        kept_tok = (mb["kept_ids"].long() - 1) if truncated and "kept_ids" in mb else None
+        if self.packing:  # one packed row [1, S]
+            from mcore_rl.train.packing import cp_local_positions, from_packed, to_packed
+
+            layout = self._layouts[id(mb)]
+            ids = layout.input_ids
+            local = cp_local_positions(layout, self.ctx.cp, self.ctx.cp_rank).to(ids.device)
+            S = ids.shape[1]
+            resp = to_packed(mb["response_mask"], layout, mb["attention_mask"])
+            if kept_tok is not None:
+                kept_tok = to_packed(kept_tok + 1, layout, mb["attention_mask"]) - 1
+            bounds = torch.tensor(layout.params.segment_bounds, device=ids.device)
+            segment = torch.bucketize(torch.arange(S, device=ids.device), bounds[1:], right=True)
+            nxt = (local + 1).clamp(max=S - 1)
+            valid = (local + 1 < S) & (segment[nxt] == segment[local])
+
+            def finish(x: torch.Tensor) -> torch.Tensor:
+                return from_packed(x[..., None], layout, mb["attention_mask"])[..., 0]
+        else:
+            ids = mb["input_ids"]
+            local = self._cp_positions(mb)
+            S = ids.shape[1]
+            resp = mb["response_mask"]
+            nxt = (local + 1).clamp(max=S - 1)
+            valid = local + 1 < S
+
+            def finish(x: torch.Tensor) -> torch.Tensor:
+                return x
+        rows = ids.shape[0]
         group = self.ctx.cp_group
 
-        def whole(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-            """[b, len(columns)] at those columns of a [b, T] of zeros, summed over CP."""
-            keep = columns < T
-            full = values.new_zeros((b, T), dtype=torch.float32)
+        def whole(values: torch.Tensor, columns: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            """[rows, len(columns)] at those columns of [rows, S] zeros, summed over CP."""
+            full = values.new_zeros((rows, S), dtype=torch.float32)
             return cp_sum(full.index_copy(1, columns[keep], values[:, keep].float()), group)
 
-        if self.kind in ("value", "reward"):
-            values = whole(output.float().reshape(b, -1), local)
+        if self.kind in ("value", "reward"):  # position-aligned
+            everywhere = torch.ones_like(local, dtype=torch.bool)
+            values = finish(whole(output.float().reshape(rows, -1), local, everywhere))
             if self.kind == "reward":
                 last = (mb["attention_mask"].sum(-1) - 1).clamp(min=0)
-                return {"reward": values[torch.arange(b, device=last.device), last]}
+                return {"reward": values[torch.arange(len(last), device=last.device), last]}
             return {"values": shift_right(values) * real}
         # Position p predicts token p + 1: the labels (and what the loss reads) one column on.
-        nxt = (local + 1).clamp(max=T - 1)
-        labels = mb["input_ids"][:, nxt]
-        inside = (local + 1 < T)[None, :].expand(b, -1)
+        labels = ids[:, nxt]
+        inside = valid[None, :].expand(rows, -1)
+        kept = None if kept_tok is None else kept_tok[:, nxt]
         tp_group = self.ctx.tp_group if self.ctx.tp > 1 else None
-        truncated = truncation != NO_TRUNCATION
-        kept = reported_kept_ids(mb, truncated)  # aligned with labels: [b, T - 1]
-        if kept is not None:
-            kept = torch.nn.functional.pad(kept, (0, 0, 0, 1), value=-1)[:, local]
         names = ["logprobs"] + (["entropy"] if with_entropy else []) + (["kept"] if truncated else [])
         common = dict(vocab_size=self.vocab_size, tp_group=tp_group, temperature=temperature,
                       return_entropy=with_entropy, impl=self.logprob_impl, top_k=truncation[0],
@@ -229,12 +252,11 @@ class TrainEngine:
         if self.output_weight is not None:  # the fused head, at response tokens only
             from mcore_rl.kernels import linear_token_logprobs
 
-            target = mb["response_mask"][:, nxt].bool() & inside
+            target = resp[:, nxt].bool() & inside
             res = linear_token_logprobs(output[target], self.output_weight, labels[target],
                                         kept_ids=None if kept is None else kept[target], **common)
-            flat = list(res) if isinstance(res, tuple) else [res]
             per_position = []
-            for v in flat:
+            for v in (list(res) if isinstance(res, tuple) else [res]):
                 v = v.float()
                 per_position.append(torch.zeros(target.shape, dtype=v.dtype,
                                                 device=v.device).masked_scatter(target, v))
@@ -243,7 +265,8 @@ class TrainEngine:
 
             res = token_logprobs(output, labels, kept_ids=kept, **common)
             per_position = [v.float() * inside for v in (list(res) if isinstance(res, tuple) else [res])]
-        return {name: whole(v, local + 1) * real for name, v in zip(names, per_position)}
+        return {name: finish(whole(v, local + 1, valid)) * real
+                for name, v in zip(names, per_position)}
 
     def _plan(self, batch: Batch) -> list[list[int]]:
         """This DP rank's micro-batches as index lists into ``batch``. Rows that share a
@@ -362,14 +385,17 @@ class TrainEngine:
 
         config = self.model[0].config
         multiple = self.ctx.tp if config.sequence_parallel else 1
+        # context parallelism: every segment in 2 x cp chunks (each a multiple of tp under SP)
+        segment = 2 * self.ctx.cp * multiple if self.ctx.cp > 1 else 1
         share = self.shares_prompts
-        layouts = [pack(m, config.hidden_size, share=share, multiple_of=multiple) for m in micro]
+        layouts = [pack(m, config.hidden_size, share=share, multiple_of=multiple,
+                        segment_multiple=segment) for m in micro]
         if (self.ctx.vpp and megatron_cpu_compat.is_applied()) or self._experts_across_ranks:
             length = max(lay.num_tokens for lay in layouts)
             if self._experts_across_ranks:
                 length = self._max_over_dp(length)
             layouts = [pack(m, config.hidden_size, share=share, multiple_of=multiple,
-                            length=length) for m in micro]
+                            length=length, segment_multiple=segment) for m in micro]
         self._layouts = {id(m): lay.to(self.ctx.device) for m, lay in zip(micro, layouts)}
 
     def _run_model(self, model, mb: Batch):
@@ -399,6 +425,11 @@ class TrainEngine:
 
     def _run_packed(self, model, layout):
         kwargs = dict(attention_mask=None, packed_seq_params=layout.params)
+        if self.ctx.cp > 1:  # this CP rank's chunks of every segment
+            from mcore_rl.train.packing import cp_local_positions
+
+            local = cp_local_positions(layout, self.ctx.cp, self.ctx.cp_rank).to(layout.input_ids.device)
+            return model(layout.input_ids[:, local], layout.position_ids[:, local], **kwargs)
         coeff = None
         if self._is_moe and bool(layout.padding.all()):  # evens out EP ranks: no aux loss
             config = self.model[0].config

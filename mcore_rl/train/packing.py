@@ -20,6 +20,7 @@ go back to the micro-batch's [b, T] through the same `unshare` as a shared layou
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -65,11 +66,13 @@ class PackedLayout(SharedLayout):
 
 
 def pack(mb: Batch, hidden_size: int, *, share: bool = False, multiple_of: int = 1,
-         length: int | None = None) -> PackedLayout:
+         length: int | None = None, segment_multiple: int = 1) -> PackedLayout:
     """The packed layout of a right-padded micro-batch: its rows end to end (``share``: rows
     with the same prompt as one segment, where that pays, `shared_prompts._plan_rows`),
     then padding up to a multiple of ``multiple_of`` tokens, or to ``length`` (every
-    micro-batch one shape), as a segment of its own."""
+    micro-batch one shape), as a segment of its own. ``segment_multiple``: every segment
+    padded at its end to a multiple of that many tokens (context parallelism splits each
+    segment into 2 x cp chunks)."""
     ids, lens = mb["input_ids"].tolist(), mb.seq_lens.tolist()
     b, T = len(ids), (len(ids[0]) if ids else 0)
     rows = _plan_rows(ids, prompt_lengths(mb).tolist(), lens, hidden_size) if share and b else None
@@ -79,6 +82,7 @@ def pack(mb: Batch, hidden_size: int, *, share: bool = False, multiple_of: int =
     positions: list[int] = []
     index = [[0] * T for _ in range(b)]
     bounds, masks = [0], []
+    pads: list[tuple[int, int]] = []
     for p, members in rows:
         base = len(tokens)
         first = members[0]
@@ -93,9 +97,15 @@ def pack(mb: Batch, hidden_size: int, *, share: bool = False, multiple_of: int =
             positions += range(p, lens[i])
             segment += [k] * n
             index[i][p:lens[i]] = range(at, at + n)
+        short = -(len(tokens) - bounds[-1]) % segment_multiple
+        if short:  # after the segment's tokens: causal attention keeps them from its outputs
+            tokens += [0] * short
+            positions += range(positions[-1] + 1, positions[-1] + 1 + short)
+            pads.append((len(tokens) - short, len(tokens)))
         bounds.append(len(tokens))
         masks.append(None if len(members) == 1 else _segment_mask(segment))
     real = len(tokens)
+    multiple_of = multiple_of * segment_multiple // math.gcd(multiple_of, segment_multiple)
     S = max(-(-real // multiple_of) * multiple_of, multiple_of)
     if length is not None:
         if length < S or length % multiple_of:
@@ -113,6 +123,8 @@ def pack(mb: Batch, hidden_size: int, *, share: bool = False, multiple_of: int =
                            segment_bounds=tuple(bounds), segment_masks=tuple(masks))
     padding = torch.zeros((1, S), dtype=torch.bool)
     padding[0, real:] = True
+    for start, end in pads:
+        padding[0, start:end] = True
     dtype = mb["input_ids"].dtype if b else torch.long
     return PackedLayout(torch.tensor([tokens], dtype=dtype), torch.tensor([positions]), None,
                         torch.tensor(index, dtype=torch.long).reshape(b, T), params=params,
@@ -206,3 +218,13 @@ def check_packing_supported(chunks: list) -> None:
                 raise ValueError(f"train.packing: {name} cannot attend within packed rows; "
                                  "use the local layer spec's SDPA attention or Transformer "
                                  "Engine, or set train.packing: false")
+
+
+def cp_local_positions(layout: PackedLayout, cp: int, rank: int) -> torch.Tensor:
+    """The packed positions CP rank ``rank`` runs: each segment's chunks ``rank`` and
+    ``2 cp - 1 - rank`` (every segment a multiple of 2 x cp long). [S / cp] long."""
+    from mcore_rl.train.context_parallel import chunk_positions
+
+    bounds = layout.params.segment_bounds
+    return torch.cat([start + chunk_positions(end - start, cp, rank)
+                      for start, end in zip(bounds[:-1], bounds[1:])])

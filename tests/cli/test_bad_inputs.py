@@ -87,8 +87,6 @@ CASES = [
     (["reward.truncation_penalty=.nan"], "reward.truncation_penalty must be a finite", "finite value"),
     (["train.warm_start_lr=.inf"], "train.warm_start_lr must be a finite", "set train.warm_start_lr"),
     # cross-field
-    (["parallel.cp=2", "train.packing=true"], "parallel.cp=2 with train.packing",
-     "set train.packing=false or parallel.cp=1"),
     (["rollout.max_new_tokens=30"], "rollout.max_prompt_tokens + rollout.max_new_tokens = 8 + 30 "
                                     "exceeds the model's 32 positions", "lower one of them"),
     (["rollout.min_new_tokens=5"], "rollout.min_new_tokens=5 exceeds rollout.max_new_tokens=4",

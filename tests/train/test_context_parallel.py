@@ -1,6 +1,6 @@
 """Context parallelism (`mcore_rl.train.context_parallel`): the chunk order and the chunked
 causal attention by hand against PyTorch's causal attention over the whole sequence, and the
-train engine at CP2 and TP2 x CP2 against the same model on one rank (CP1): log-probs,
+train engine at CP2, TP2 x CP2 and CP2 with packing against the same model on one rank (CP1): log-probs,
 entropy, truncated log-probs and kept sets, values, the loss, its token count and the
 update (SGD without clipping: the update is the gradient) within 1e-5."""
 import pytest
@@ -33,7 +33,7 @@ def test_chunked_attention_equals_causal_attention_over_the_whole_sequence(cp):
         torch.testing.assert_close(out, whole[:, :, mine], rtol=0, atol=1e-6)
 
 
-def _run(rank, world_size, tp, cp, kind, fused):
+def _run(rank, world_size, tp, cp, kind, fused, packing=False):
     from mcore_rl.config import OptimizerConfig
     from mcore_rl.models.gpt import build_gpt_chunks
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
@@ -43,7 +43,7 @@ def _run(rank, world_size, tp, cp, kind, fused):
     chunks = build_gpt_chunks(arch(), ctx, head="score" if kind == "value" else "lm")
     optim = OptimizerConfig(name="sgd", lr=0.5, clip_grad=0.0, micro_batch_tokens=60)
     engine = build_engine(chunks, ctx, kind=kind, vocab_size=VOCAB, optim=optim,
-                          fused_lm_head=fused)
+                          fused_lm_head=fused, packing=packing)
     batch = group_batch()
     out = {"before": engine.forward(batch, with_entropy=kind == "lm")}
     if kind == "lm":
@@ -84,21 +84,10 @@ def test_tp2_cp2_matches_one_rank():
         _compare(one, split)
 
 
-def _refusal(rank, world_size):
-    from mcore_rl.models.gpt import build_gpt_chunks
-    from mcore_rl.parallel import destroy_parallel, initialize_parallel
-    from mcore_rl.train.build import build_engine
-
-    ctx = initialize_parallel(cp=2, seed=5)
-    try:
-        build_engine(build_gpt_chunks(arch(), ctx), ctx, vocab_size=VOCAB, packing=True)
-    except ValueError as err:
-        return str(err)
-    finally:
-        destroy_parallel()
-    return None
-
-
-def test_packing_with_cp_is_refused_in_one_line():
-    for message in shared_world(2).run(_refusal):
-        assert message is not None and "train.packing with parallel.cp > 1" in message
+@pytest.mark.parametrize("kind,fused", [("lm", True), ("lm", False), ("value", True)],
+                         ids=["lm-fused-head", "lm-full-logits", "value"])
+def test_cp2_with_packing_matches_one_rank_on_padded_rows(kind, fused):
+    """Every packed row split over the CP ranks (each row padded to 2 x CP chunks)."""
+    one = shared_world(1).run(_run, 1, 1, kind, fused)[0]
+    for split in shared_world(2).run(_run, 1, 2, kind, fused, True):
+        _compare(one, split)

@@ -86,6 +86,7 @@ def test_attention_costs_the_sum_of_squared_row_lengths():
     attention.softmax_scale = 0.25
     attention.num_attention_heads_per_partition = attention.num_query_groups_per_partition = 2
     attention.hidden_size_per_partition = 8
+    attention.cp_group = None
     S = layout.num_tokens
     q = torch.randn(S, 2, 4)
     sdpa_attention.F.scaled_dot_product_attention = record
