@@ -10,7 +10,8 @@ The model follows what Megatron-Core and our train engine allocate:
 - **activations**: what autograd saves per token and layer on the local layer spec (the
   norms' and linear layers' inputs, Q/K/V and the attention output, the SwiGLU inputs),
   for the micro-batch's ``optimizer.micro_batch_tokens`` tokens (real ones with
-  ``train.packing``, padded rows otherwise: the budget bounds both), divided by CP;
+  ``train.packing``, padded rows otherwise: the budget bounds both), divided by CP (each
+  layer then also keeps the keys and values gathered from the CP group);
   the hidden-size terms also by TP under sequence parallelism; ``selective`` recompute
   frees next to nothing with a fused attention kernel (no scores are kept), ``full`` keeps
   one input per layer and one layer's activations. The first pipeline stage holds ``pp`` micro-batches in flight (1F1B), a bit
@@ -205,6 +206,11 @@ def _stage_plan(s: Shape, stage: str, device_gib: float) -> MemoryPlan:
     if s.pp > 1 and stage == "first":  # 1F1B: the first stage holds pp micro-batches
         in_flight = s.pp * (1 + (s.pp - 1) / (s.pp * s.vpp)) if s.vpp else s.pp
     per_layer = activation_bytes_per_token_layer(s)
+    if s.cp > 1:
+        # Each layer keeps the keys and values gathered from the CP group (the whole
+        # sequence) and each local chunk's copy of them up to its end: (2 + 1/(2 cp)) T.
+        kv = 2 * a.num_kv_heads * a.kv_channels / s.tp * elem
+        per_layer += kv * s.cp * (2 + 1 / (2 * s.cp))
     if s.recompute == "full":
         hidden = a.hidden_size / (s.tp if s.sequence_parallel else 1)
         act = tokens * (layers * in_flight * hidden * elem + per_layer)

@@ -113,7 +113,8 @@ def test_the_distributed_optimizer_shards_main_parameters_and_moments_over_dp():
 def test_activations_shrink_with_cp_sp_and_full_recompute_and_logits_with_the_fused_head():
     base = Shape(arch=PRESETS["Qwen/Qwen2.5-7B"], tp=2, dtype="bf16", micro_batch_tokens=8192)
     act = _items(plan_memory(base))["activations"]
-    assert _items(plan_memory(replace(base, cp=2)))["activations"] == pytest.approx(act / 2)
+    cp2 = _items(plan_memory(replace(base, cp=2)))["activations"]
+    assert act / 2 < cp2 < 0.55 * act  # and the keys and values gathered from the CP group
     sp = _items(plan_memory(replace(base, sequence_parallel=True)))["activations"]
     assert act / 2 < sp < act  # the hidden-size terms only
     assert _items(plan_memory(replace(base, recompute="full")))["activations"] < act / 10
