@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from mcore_rl.atomic_write import write_json_atomic
+from mcore_rl.cli.out_path import check_out
 from mcore_rl.errors import UsageError
 
 EXAMPLE = "configs/plan/costs_example.json"
@@ -39,17 +40,6 @@ def parse_list(option: str, text: str, kind: type, example: str) -> list:
         noun = "integers" if kind is int else "numbers"
         raise UsageError(f"{option} {text!r}: give comma-separated {noun}, "
                          f"e.g. {example}") from None
-
-
-def check_out(path: str | None) -> None:
-    """Refuse an ``--out`` that cannot be written, before any simulation."""
-    if path is None:
-        return
-    out = Path(path)
-    if out.is_dir():
-        raise UsageError(f"--out {path} is a directory; give a file path, e.g. {out / 'plan.json'}")
-    if not out.parent.is_dir():
-        raise UsageError(f"--out {path}: directory {out.parent} does not exist; create it first")
 
 
 def run(args) -> int:

@@ -34,7 +34,8 @@ def model_arch(cfg, model: str | None):
 
 def run(args) -> int:
     from mcore_rl.atomic_write import write_json_atomic
-    from mcore_rl.cli.plan import check_out
+    from mcore_rl.algos.advantages import needs_critic
+    from mcore_rl.cli.out_path import check_out
     from mcore_rl.config import load_config
     from mcore_rl.plan.memory import GIB, Shape, format_plan, plan_memory
 
@@ -43,10 +44,10 @@ def run(args) -> int:
     if args.gpu_memory_gib <= 0:
         raise UsageError(f"--gpu-memory-gib {args.gpu_memory_gib}: give the device memory in "
                          "GiB, e.g. 80")
-    check_out(args.json)
+    check_out(args.json, "--json")
     cfg = load_config(args.config, args.overrides)
     arch, name = model_arch(cfg, args.model)
-    shape = Shape.from_config(cfg, arch)
+    shape = Shape.from_config(cfg, arch, critic=needs_critic(cfg.algorithm.advantage_estimator))
     plan = plan_memory(shape, args.gpu_memory_gib)
     print(f"{name}, {shape.dtype}, per trainer rank (computed, not measured):")
     print(format_plan(plan))

@@ -67,7 +67,7 @@ class ParallelConfig:
     """Context-parallel size: each sequence of a micro-batch is split over cp ranks in
     Megatron's load-balanced order (2 x cp chunks, rank r runs chunks r and 2cp-1-r) and
     attention gathers keys and values from all of them, which divides activations by cp
-    for long sequences (`mcore_rl.train.context_parallel`); with ``train.packing`` every
+    for long sequences (`mcore_rl.parallel.context_parallel`); with ``train.packing`` every
     packed row is split so. Dense models, on the local layer spec (Transformer Engine's CP
     attention is not wired yet); shared prompts are off under CP."""
     ep: int = 1

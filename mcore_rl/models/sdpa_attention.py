@@ -29,7 +29,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 class SDPAttention(DotProductAttention):
     """`DotProductAttention` with the fused kernel where it computes the same thing, and
-    context parallelism (`mcore_rl.train.context_parallel`), which Megatron's local
+    context parallelism (`mcore_rl.parallel.context_parallel`), which Megatron's local
     attention refuses."""
 
     def __init__(self, config, *args, **kwargs):
@@ -92,7 +92,7 @@ class SDPAttention(DotProductAttention):
                           attention_bias):
         """This rank's queries (two chunks of the sequence) over every CP rank's keys and
         values, causal by global position."""
-        from mcore_rl.train.context_parallel import (causal_attention, chunk_positions,
+        from mcore_rl.parallel.context_parallel import (causal_attention, chunk_positions,
                                                      gather_sequence)
 
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -145,7 +145,7 @@ class SDPAttention(DotProductAttention):
     def _segments_context_parallel(self, query, key, value, bounds, masks, grouped):
         """Packed segments split over CP: this rank's two chunks of every segment (in
         segment order) attend the whole segment, gathered from every CP rank."""
-        from mcore_rl.train.context_parallel import (causal_attention, chunk_positions,
+        from mcore_rl.parallel.context_parallel import (causal_attention, chunk_positions,
                                                      gather_sequence)
 
         if any(m is not None for m in masks):

@@ -30,7 +30,7 @@ class Layout:
     """Tensor-parallel size inside each expert; None: ``tp`` (Megatron's default)."""
     cp: int = 1
     """Context-parallel size: each sequence is split over cp ranks
-    (`mcore_rl.train.context_parallel`)."""
+    (`mcore_rl.parallel.context_parallel`)."""
 
     @property
     def world_size(self) -> int:

@@ -62,7 +62,8 @@ def initialize_parallel(layout: Layout | None = None, *, tp: int = 1, pp: int = 
     init_process_group(backend)
     world = dist.get_world_size()
     if world % (tp * pp * cp):
-        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+        product = f"tp*pp*cp = {tp}*{pp}*{cp}" if cp > 1 else f"tp*pp = {tp}*{pp}"
+        raise ValueError(f"world size {world} is not divisible by {product}")
     dp = world // (tp * pp * cp)
     if layout is not None and layout.dp != dp:
         raise ValueError(f"layout {layout} needs {layout.world_size} ranks, world has {world}")

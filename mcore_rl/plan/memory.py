@@ -97,13 +97,12 @@ class Shape:
     critic: bool = False
 
     @classmethod
-    def from_config(cls, cfg, arch: ModelArch) -> "Shape":
+    def from_config(cls, cfg, arch: ModelArch, critic: bool = False) -> "Shape":
+        """The shape of a config's run (``critic``: its advantage estimator trains one)."""
         p = cfg.parallel
         dp = p.dp or 1
         wire = {"fp32": 4, "bf16": 2, "fp16": 2}.get(cfg.reshard.wire_dtype,
                                                      2 if cfg.model.dtype == "bf16" else 4)
-        from mcore_rl.algos.advantages import needs_critic
-
         return cls(arch=arch, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=dp,
                    ep=p.ep, etp=p.etp, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
                    sequence_parallel=p.sequence_parallel or (arch.is_moe and p.tp > 1),
@@ -113,7 +112,7 @@ class Shape:
                    engine_utilization=cfg.rollout.gpu_memory_utilization,
                    offload=cfg.train.offload, delta_sync=cfg.reshard.delta, wire_bytes=wire,
                    reference=cfg.algorithm.kl_coef > 0,
-                   critic=needs_critic(cfg.algorithm.advantage_estimator))
+                   critic=critic)
 
 
 def layer_params(arch: ModelArch) -> tuple[int, int]:

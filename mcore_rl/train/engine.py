@@ -190,10 +190,10 @@ class TrainEngine:
                          with_entropy: bool, truncation: tuple[int, float]) -> dict:
         """`_head_outputs` under context parallelism: ``output`` holds this rank's positions
         only; each output is computed there, placed in the whole sequence and summed over the
-        CP group (`mcore_rl.train.context_parallel.cp_sum`). The sequences are the
+        CP group (`mcore_rl.parallel.context_parallel.cp_sum`). The sequences are the
         micro-batch's rows, or its packed row (`mcore_rl.train.packing`), whose outputs then
         go back to the rows."""
-        from mcore_rl.train.context_parallel import cp_sum
+        from mcore_rl.parallel.context_parallel import cp_sum
 
         real = mb["attention_mask"].to(torch.float32)
         truncated = truncation != NO_TRUNCATION
@@ -344,9 +344,10 @@ class TrainEngine:
             uniform = True
         else:
             uniform = False
-        multiple = 2 * self.ctx.cp  # context parallelism: 2 x cp chunks per sequence
+        # context parallelism: 2 x cp chunks per sequence, each split over the TP ranks under SP
+        multiple = 2 * self.ctx.cp if self.ctx.cp > 1 else 1
         if self.model[0].config.sequence_parallel and uniform is not None:
-            multiple *= self.ctx.tp  # each chunk split over the TP ranks
+            multiple *= self.ctx.tp
         if multiple > 1 and uniform is not None:
             micro = [m.padded_to(len(m), -(-m.num_tokens // multiple) * multiple) for m in micro]
         self._micro = micro
@@ -455,7 +456,7 @@ class TrainEngine:
         return ids, position_ids
 
     def _cp_positions(self, mb: Batch) -> torch.Tensor:
-        from mcore_rl.train.context_parallel import chunk_positions
+        from mcore_rl.parallel.context_parallel import chunk_positions
 
         return chunk_positions(mb.num_tokens, self.ctx.cp, self.ctx.cp_rank, mb["input_ids"].device)
 

@@ -223,7 +223,7 @@ def check_packing_supported(chunks: list) -> None:
 def cp_local_positions(layout: PackedLayout, cp: int, rank: int) -> torch.Tensor:
     """The packed positions CP rank ``rank`` runs: each segment's chunks ``rank`` and
     ``2 cp - 1 - rank`` (every segment a multiple of 2 x cp long). [S / cp] long."""
-    from mcore_rl.train.context_parallel import chunk_positions
+    from mcore_rl.parallel.context_parallel import chunk_positions
 
     bounds = layout.params.segment_bounds
     return torch.cat([start + chunk_positions(end - start, cp, rank)

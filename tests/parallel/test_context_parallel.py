@@ -1,4 +1,4 @@
-"""Context parallelism (`mcore_rl.train.context_parallel`): the chunk order and the chunked
+"""Context parallelism (`mcore_rl.parallel.context_parallel`): the chunk order and the chunked
 causal attention by hand against PyTorch's causal attention over the whole sequence, and the
 train engine at CP2, TP2 x CP2 and CP2 with packing against the same model on one rank (CP1): log-probs,
 entropy, truncated log-probs and kept sets, values, the loss, its token count and the
@@ -6,7 +6,7 @@ update (SGD without clipping: the update is the gradient) within 1e-5."""
 import pytest
 import torch
 
-from mcore_rl.train.context_parallel import causal_attention, chunk_positions, rank_order
+from mcore_rl.parallel.context_parallel import causal_attention, chunk_positions, rank_order
 from tests.train.test_shared_prompts import VOCAB, arch, group_batch, policy_loss, value_loss
 from tests.world import shared_world
 
