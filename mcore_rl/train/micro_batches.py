@@ -78,11 +78,21 @@ def pack_micro_batches(seq_lens: torch.Tensor, indices: list[int], token_budget:
         longest = max(longest, n)
     if current:
         groups.append(current)
+    return [sorted(i for u in g for i in u)
+            for g in raise_group_count(groups, len(units), multiple_of, min_count)]
+
+
+def raise_group_count(groups: list[list[list[int]]], n_units: int, multiple_of: int,
+                      min_count: int = 1) -> list[list[list[int]]]:
+    """``groups`` (micro-batches of units) raised to at least ``min_count`` and to a multiple
+    of ``multiple_of`` by splitting the largest groups between units; a `ValueError` naming
+    the shortfall when there are too few units."""
     target = max(len(groups), min_count)
     target = -(-target // multiple_of) * multiple_of
-    if target > len(units):
-        what = "sequences" if all(len(u) == 1 for u in units) else "packing units (pairs)"
-        raise ValueError(f"{len(units)} {what} cannot fill {target} micro-batches "
+    if target > n_units:
+        single = all(len(u) == 1 for g in groups for u in g)
+        what = "sequences" if single else "packing units (pairs)"
+        raise ValueError(f"{n_units} {what} cannot fill {target} micro-batches "
                          f"(pipeline schedules need a multiple of {multiple_of}); "
                          "give each data-parallel rank more sequences")
     while len(groups) < target:
@@ -90,4 +100,4 @@ def pack_micro_batches(seq_lens: torch.Tensor, indices: list[int], token_budget:
         big = groups.pop(0)
         half = len(big) // 2
         groups += [big[:half], big[half:]]
-    return [sorted(i for u in g for i in u) for g in groups]
+    return groups

@@ -27,6 +27,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from mcore_rl.data.batch import Batch
+from mcore_rl.train.micro_batches import raise_group_count
 from mcore_rl.train.shared_prompts import SharedLayout, _plan_rows, prompt_lengths
 
 
@@ -182,17 +183,7 @@ def pack_by_tokens(seq_lens: torch.Tensor, indices: list[int], token_budget: int
         else:
             groups.append([units[k]])
             loads.append(size[k])
-    target = -(-max(len(groups), 1) // multiple_of) * multiple_of
-    if target > len(units):
-        what = "sequences" if all(len(u) == 1 for u in units) else "packing units (pairs)"
-        raise ValueError(f"{len(units)} {what} cannot fill {target} micro-batches "
-                         f"(pipeline schedules need a multiple of {multiple_of}); "
-                         "give each data-parallel rank more sequences")
-    while len(groups) < target:
-        groups.sort(key=lambda g: (-len(g), g[0][0]))
-        big = groups.pop(0)
-        half = len(big) // 2
-        groups += [big[:half], big[half:]]
+    groups = raise_group_count(groups, len(units), multiple_of)
     return sorted((sorted(i for u in g for i in u) for g in groups), key=lambda g: g[0])
 
 
