@@ -33,6 +33,7 @@ setup(
         "safetensors",
         "transformers>=4.56",
         "tqdm",
+        "tensorboard",  # the default logging.backends writes TensorBoard event files
     ],
     extras_require={
         # CPU: use scripts/install.sh (pins + constraints). These extras are for GPU clusters,
@@ -41,7 +42,9 @@ setup(
         "sglang": ["sglang>=0.5"],
         "triton": ["triton>=3.6"],
         "te": ["transformer-engine[pytorch]"],
-        "logging": ["tensorboard", "matplotlib"],
+        "logging": ["matplotlib"],
+        "wandb": ["wandb"],  # logging.backends: [..., wandb]
+        "mlflow": ["mlflow-skinny"],  # logging.backends: [..., mlflow] (the client is enough)
         "tasks": ["reasoning-gym"],
         "math": ["math-verify[antlr4_13_2]>=0.9"],  # the math reward, with its ANTLR runtime
         "test": ["pytest", "pytest-timeout"],

@@ -104,7 +104,7 @@ def our_overrides(plan: Plan, model_dir: Path, log_dir: Path, reference: str) ->
     return [*plan.size.overrides, *data, f"model.path={model_dir}", "train.job=dpo",
             f"train.steps={plan.steps}", "train.warm_start_steps=0", "train.val_every=0",
             "data.num_val=0", "checkpoint.save_every=0", "checkpoint.resume=never",
-            "logging.tensorboard=false", "logging.progress_bar=false", f"logging.dir={log_dir}",
+            "logging.backends=[jsonl]", "logging.progress_bar=false", f"logging.dir={log_dir}",
             f"finetune.batch_size={plan.batch_size}", f"finetune.max_length={plan.max_length}",
             f"finetune.beta={plan.beta}", "finetune.dpo_loss=sigmoid", "finetune.label_smoothing=0",
             "finetune.val_score=false", f"finetune.reference_logps={reference}",

@@ -90,7 +90,7 @@ def our_overrides(cfg, steps: int, log_dir: Path, threads: int, dtype: str,
     fixed = [f"rollout.min_new_tokens={cfg.rollout.max_new_tokens}"] if fixed_lengths else []
     return [f"train.steps={steps}", "train.warm_start_steps=0", "train.val_every=0",
             "checkpoint.save_every=0", "checkpoint.resume=never", "logging.samples_every=0",
-            "logging.tensorboard=false", "logging.progress_bar=false", f"logging.dir={log_dir}",
+            "logging.backends=[jsonl]", "logging.progress_bar=false", f"logging.dir={log_dir}",
             *fixed, f"parallel.cpu_threads_per_rank={max(1, threads // world)}",
             f"model.dtype={dtype}"]
 

@@ -1,37 +1,42 @@
-"""Where metrics go: console summary, progress bar, JSONL, TensorBoard, sample rollouts,
-and a reward-curve plot at the end. Only rank 0 writes."""
+"""Where metrics go: the console line, the progress bar, and the run's trackers
+(``logging.backends``: JSONL, TensorBoard, W&B, MLflow; `mcore_rl.tracking`), plus a
+reward-curve plot at the end. Only rank 0 writes."""
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
+
+from mcore_rl.tracking import RunInfo, Tracker, tracker_class
 
 CONSOLE_KEYS = ("reward/mean", "val/score", "val/rm_score", "actor/kl", "actor/entropy",
                 "actor/clip_fraction", "critic/loss", "response/length", "perf/tokens_per_s")
 
 
 class MetricsLog:
-    """Append-only run logs in ``directory`` (safe to reopen on resume)."""
+    """The run's logs in ``directory`` (safe to reopen on resume), sent to the trackers
+    named in ``backends`` (`mcore_rl.tracking`; ``logging`` holds their settings, ``config``
+    is the run's whole config as a mapping).
+
+    The trackers start at `truncate_after` (the step the run resumes after, or -1 for a
+    fresh run), or at the first record. A tracker that fails while the run goes on (a
+    tracking server that went away) is reported in one line and dropped; the others, and
+    the run, go on."""
 
     def __init__(self, directory: str | Path, total_steps: int = 0, start_step: int = 0,
-                 tensorboard: bool = True, progress_bar: bool = True, enabled: bool = True):
+                 backends: tuple[str, ...] | list[str] = ("jsonl",), progress_bar: bool = True,
+                 enabled: bool = True, logging=None, config: dict | None = None):
         self.dir = Path(directory)
         self.enabled = enabled
-        self.writer = None
         self.bar = None
+        self.trackers: list[Tracker] = []
+        self.started = False
+        self.records: list[dict] = []  # this process's records (history without jsonl)
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.dir / "metrics.jsonl"
-        self.samples_path = self.dir / "samples.jsonl"
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(self.dir / "tensorboard"))
-            except ImportError:
-                print("mcore-rl: tensorboard is not installed; skipping event files")
+        run = RunInfo(self.dir, logging, config or {})
+        self.trackers = [tracker_class(name)(run) for name in backends]
         if progress_bar:
             from tqdm import tqdm
 
@@ -39,27 +44,46 @@ class MetricsLog:
                             dynamic_ncols=True)
         self.t0 = time.time()
 
+    @classmethod
+    def for_config(cls, cfg, enabled: bool, progress_bar: bool | None = None) -> "MetricsLog":
+        """The log of a run of ``cfg`` (its ``logging`` section; the whole config goes to the
+        trackers that record it)."""
+        from mcore_rl.config.loader import config_to_dict
+
+        lg = cfg.logging
+        return cls(lg.dir, cfg.train.steps, backends=lg.backends, enabled=enabled, logging=lg,
+                   progress_bar=lg.progress_bar if progress_bar is None else progress_bar,
+                   config=config_to_dict(cfg))
+
+    def _each(self, what: str, *args) -> None:
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, what)(*args)
+            except Exception as err:  # noqa: BLE001 - a tracker's failure must not end the run
+                self.trackers.remove(tracker)
+                print(f"mcore-rl: the {tracker.name} tracker failed ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0] if str(err) else ''}); it records nothing "
+                      "more, the run goes on", flush=True)
+
+    def _start(self, resumed_after: int | None) -> None:
+        if not self.started:
+            self.started = True
+            self._each("start", resumed_after)
+
     def truncate_after(self, step: int) -> None:
-        """Drop records of steps after ``step`` (on resume they run again; 0: a fresh run)."""
-        if not self.enabled:
-            return
-        for path in (self.metrics_path, self.samples_path):
-            if path.exists():
-                keep = [line for line in path.read_text().splitlines()
-                        if line.strip() and json.loads(line)["step"] <= step]
-                path.write_text("".join(line + "\n" for line in keep))
+        """Where the run starts: after ``step`` on resume (records of later steps, the
+        killed attempt's, are dropped where the tracker can drop them), -1 for a fresh run
+        (the logs of an earlier run in the same directory go). Starts the trackers."""
+        if self.enabled:
+            self._start(None if step < 0 else step)
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for k, v in metrics.items():
-                if math.isfinite(float(v)):
-                    self.writer.add_scalar(k, float(v), step)
-            self.writer.flush()
+        self._start(None)
+        values = {k: float(v) for k, v in metrics.items()}
+        self.records.append({"step": step, **values})
+        self._each("log", step, values)
         if self.bar is not None and step > self.bar.n:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
@@ -70,22 +94,26 @@ class MetricsLog:
             (self.bar.write if self.bar is not None else print)(line)
 
     def samples(self, step: int, rows: list[dict]) -> None:
-        if not self.enabled:
-            return
-        with self.samples_path.open("a") as f:
-            for row in rows:
-                f.write(json.dumps({"step": step, **row}) + "\n")
+        if self.enabled:
+            self._start(None)
+            self._each("samples", step, rows)
 
     def history(self) -> list[dict]:
-        if not self.enabled or not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        """Every step's record: from ``metrics.jsonl`` (the whole run, resumed attempts
+        included) when ``jsonl`` is a backend, else this process's."""
+        jsonl = next((t for t in self.trackers if t.name == "jsonl"), None)
+        return jsonl.history() if jsonl is not None else list(self.records)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True, artifacts: tuple[Path, ...] = ()) -> None:
+        """End the trackers' runs: ``finished`` (else stopped, to be resumed), with
+        ``artifacts`` (files) to keep."""
         if self.bar is not None:
             self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+            self.bar = None
+        if self.enabled and self.started:
+            self._each("close", finished, tuple(a for a in artifacts if a is not None))
+            self.trackers = [t for t in self.trackers if t.name == "jsonl"]  # history stays
+            self.started = False
 
 
 def plot_reward_curve(history: list[dict], path: str | Path) -> Path | None:

@@ -189,7 +189,7 @@ def finish(state: RunState) -> None:
         vals = [h["val/score"] for h in history if "val/score" in h]
         rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
         plot = plot_reward_curve(history, state.log.dir / "reward_curve.png")
-        state.log.close()
+        state.log.close(finished=state.step >= state.cfg.train.steps, artifacts=(plot,))
         if vals and rewards:
             print(f"mcore-rl: {state.step} steps; validation score {vals[0]:.2f} -> {vals[-1]:.2f}; "
                   f"train reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; metrics "

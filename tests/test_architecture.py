@@ -104,7 +104,7 @@ def _append(path: Path, line: str) -> None:
 def test_the_import_contracts_hold():
     result = lint_imports(REPO)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "Contracts: 6 kept, 0 broken" in result.stdout, result.stdout[-2000:]
+    assert "Contracts: 7 kept, 0 broken" in result.stdout, result.stdout[-2000:]
 
 
 def test_the_folders_outside_the_package_import_only_what_they_may():
@@ -142,6 +142,11 @@ def test_forbidden_edges_of_the_outside_folders_are_found(tree_copy):
     assert any(p.startswith("mcore_rl/trainer.py") and "only the CLI imports mcore_rl.launch" in p
                for p in problems)
     assert any(p.startswith("launch/sbatch.py") and "mcore_rl.rl" in p for p in problems)
+
+
+def test_the_trainer_importing_wandb_breaks_the_trackers_contract(tree_copy):
+    broken_by(tree_copy, "mcore_rl/trainer.py", "import wandb  # forbidden",
+              "Only the trackers import wandb and mlflow")
 
 
 def test_an_import_cycle_between_modules_of_a_package_breaks_the_acyclic_contract(tree_copy):

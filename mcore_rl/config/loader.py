@@ -31,6 +31,8 @@ def _type_name(tp: Any) -> str:
     if origin is dict:
         key, value = typing.get_args(tp)
         return f"a mapping of {_type_name(key)} to {_type_name(value)}"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -51,6 +53,14 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
     if origin is dict:
         return _coerce_mapping(value, tp, where)
+    if origin is list:
+        if isinstance(value, str):  # a=x,y on the command line, or one item
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected {_type_name(tp)} ([a, b] in YAML or an override), "
+                              f"got {value!r} ({type(value).__name__})")
+        item_type = typing.get_args(tp)[0]
+        return [coerce(item, item_type, f"{where}[{i}]") for i, item in enumerate(value)]
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -96,6 +106,13 @@ def _coerce_mapping(value: Any, tp: Any, where: str) -> dict:
     return out
 
 
+RENAMED = {
+    "logging.tensorboard": "TensorBoard is one of logging.backends; for no event files set "
+                           "logging.backends=[jsonl] (the default is [jsonl, tensorboard])",
+}
+"""Keys an earlier release had: what replaces them."""
+
+
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -111,6 +128,8 @@ def _build(cls, data: Any, where: str):
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
+            if path in RENAMED:
+                raise ConfigError(f"'{path}' is gone: {RENAMED[path]}")
             raise ConfigError(f"unknown key '{path}'{_closest(str(key), names)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):

@@ -475,13 +475,51 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases, when ``logging.backends`` names ``wandb``."""
+
+    project: str = "mcore-rl"
+    """The W&B project."""
+    entity: str = ""
+    """The W&B entity (team or user); empty: the account's default entity."""
+    run_name: str = ""
+    """The run's display name; empty: the name of ``logging.dir``."""
+    mode: Literal["", "online", "offline", "disabled"] = ""
+    """``online`` (needs an API key: ``WANDB_API_KEY`` or ``wandb login``), ``offline`` (files
+    under ``logging.dir``/wandb, uploaded later with ``wandb sync``), ``disabled``; empty:
+    ``$WANDB_MODE``, else online."""
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow, when ``logging.backends`` names ``mlflow``."""
+
+    tracking_uri: str = ""
+    """A tracking server (``http://host:5000``) or a database (``sqlite:///path/mlflow.db``,
+    ``postgresql://...``); empty: ``$MLFLOW_TRACKING_URI``, else the database file
+    ``logging.dir``/mlflow.db (view it with ``mlflow ui --backend-store-uri sqlite:///...``)."""
+    experiment: str = "mcore-rl"
+    """The experiment the run belongs to (created when missing)."""
+    run_name: str = ""
+    """The run's name; empty: the name of ``logging.dir``."""
+
+
+@dataclass
 class LoggingConfig:
     """Metrics, progress and samples."""
 
     dir: str = "runs/default"
     """Output directory of the run (metrics, TensorBoard, samples, plots)."""
-    tensorboard: bool = True
-    """Write TensorBoard event files."""
+    backends: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where each step's metrics go, any of ``jsonl`` (``logging.dir``/metrics.jsonl and
+    samples.jsonl), ``tensorboard`` (``logging.dir``/tensorboard), ``wandb`` (see
+    ``logging.wandb``) and ``mlflow`` (see ``logging.mlflow``), or a tracker class of your own
+    (``package.module:Class``). The console lines (``log_every``) and the progress bar
+    (``progress_bar``) do not depend on it."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases settings."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow settings."""
     log_every: int = 1
     """Console summary every N steps."""
     samples_every: int = 5

@@ -69,7 +69,7 @@ def after_step(run: FinetuneRun, metrics: dict[str, float], stop=None) -> None:
         saved = save(run)
     if stop is not None and run.step < cfg.train.steps and stop.should_stop(ctx):
         path = saved or save(run)
-        run.log.close()
+        run.log.close(finished=False)
         raise StopRequested(run.step, path)
 
 
@@ -175,7 +175,7 @@ def finish(run: FinetuneRun) -> None:
     close(run.scorer)
     if run.ctx.is_controller:
         history = run.log.history()
-        run.log.close()
+        run.log.close(finished=run.step >= run.cfg.train.steps)
         vals = {k: [h[k] for h in history if k in h] for k in LINE_KEYS if k.startswith("val/")}
         shown = "; ".join(f"{k} {v[0]:.2f} -> {v[-1]:.2f}" for k, v in vals.items() if v)
         first = run.losses[0] if run.losses else float("nan")

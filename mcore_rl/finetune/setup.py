@@ -131,8 +131,7 @@ def build_finetune_run(cfg: RLConfig, ctx: ParallelContext) -> FinetuneRun:
         ref = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe, sequence_parallel=sp)
         reference = build_engine(ref.chunks, ctx, vocab_size=vocab, share_prompts=share,
                                  packing=packed)
-    log = MetricsLog(cfg.logging.dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
-                     progress_bar=cfg.logging.progress_bar, enabled=ctx.is_controller)
+    log = MetricsLog.for_config(cfg, enabled=ctx.is_controller)
     scorer = None
     if job.engine_kind == "lm":
         scorer = build_score_state(cfg, ctx, model_dir, tokenizer, model, built.spec.arch,

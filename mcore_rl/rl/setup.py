@@ -221,8 +221,7 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list,
     sync.drop_dead_engines = cfg.rollout.on_replica_failure == "continue"
     train_records = load_prompt_records(cfg.data, "train")
     val_records = load_prompt_records(cfg.data, "val")
-    log = MetricsLog(cfg.logging.dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
-                     progress_bar=cfg.logging.progress_bar, enabled=ctx.is_controller)
+    log = MetricsLog.for_config(cfg, enabled=ctx.is_controller)
     return RunState(cfg=cfg, ctx=ctx, model_dir=model_dir, tokenizer=tokenizer, actor=actor,
                     reference=reference, critic=critic, rollout=rollout, sync=sync,
                     prompts=PromptStream(train_records, cfg.data.seed), val_records=val_records,

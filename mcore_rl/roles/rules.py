@@ -1,6 +1,6 @@
 """What can run, checked in one place before anything starts: the config's own checks
 against the model, which job, schedule and placement go together, and what the job reads
-(names, data, the checkpoint to resume from). Every driver asks here first: ``mcore-rl
+(names, data, the checkpoint to resume from, the trackers metrics go to). Every driver asks here first: ``mcore-rl
 train``, ``mcore-rl launch slurm``, ``mcore-rl placement``, ``mcore-rl config show`` and
 `mcore_rl.RLTrainer`. Each refusal is one `UsageError` line naming the setting and the fix."""
 from __future__ import annotations
@@ -31,9 +31,13 @@ def check_config(cfg: RLConfig, world_size: int | None = None, driver: str = "tr
 
 
 def check_runnable(cfg: RLConfig, world_size: int | None = None, driver: str = "train") -> RLConfig:
-    """`check_config`, then what the job reads: registered names, the reward, the data, the
-    checkpoint to resume from. Nothing is started or written."""
+    """`check_config`, then what the job reads and writes to: the trackers of
+    ``logging.backends`` (package, credentials, server), registered names, the reward, the
+    data, the checkpoint to resume from. Nothing is started or written."""
+    from mcore_rl.tracking import check_trackers
+
     check_config(cfg, world_size, driver)
+    check_trackers(cfg.logging)
     job = cfg.train.job
     if job == "rl":
         from mcore_rl.rl.setup import check_job

@@ -76,9 +76,8 @@ class SmokeRun:
             self.losses = list(self.checkpoints.load(resume, {"model": self.engine})["losses"])
             if ctx.rank == 0:
                 log(f"mcore-rl: resumed from {resume} after step {len(self.losses)}", flush=True)
-        self.metrics = MetricsLog(cfg.logging.dir, tensorboard=False, progress_bar=False,
-                                  enabled=ctx.rank == 0)
-        self.metrics.truncate_after(len(self.losses))
+        self.metrics = MetricsLog.for_config(cfg, enabled=ctx.rank == 0, progress_bar=False)
+        self.metrics.truncate_after(len(self.losses) if resume is not None else -1)
 
     @property
     def step_count(self) -> int:

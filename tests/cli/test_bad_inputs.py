@@ -216,6 +216,25 @@ CASES = [
      "set rollout.n_samples_per_prompt=2"),
     (["train.job=dpo", "checkpoint.resume=auto", "logging.dir={d}/earlier_run"],
      "holds an earlier run but no usable checkpoint", "checkpoint.resume=never"),
+    # trackers (logging.backends)
+    (["logging.backends=[jsonl,wandbb]"], "logging.backends: unknown tracker 'wandbb'",
+     "did you mean 'wandb'"),
+    (["logging.backends=[jsonl,tensorboard,jsonl]"], "logging.backends names jsonl twice",
+     "name each backend once"),
+    (["logging.backends=[jsonl,nowhere_at_all:Tracker]"], "logging.backends: cannot import module "
+     "'nowhere_at_all'", "nowhere_at_all:Tracker"),
+    (["logging.backends=[jsonl,os:getcwd]"], "logging.backends: os:getcwd is not a tracker",
+     "subclasses mcore_rl.tracking.Tracker"),
+    (["logging.tensorboard=false"], "'logging.tensorboard' is gone", "set logging.backends=[jsonl]"),
+    (["logging.backends=[mlflow]", "logging.mlflow.tracking_uri=http://127.0.0.1:9"],
+     "logging.mlflow.tracking_uri=http://127.0.0.1:9: the tracking server does not answer",
+     "start it ('mlflow server') or fix the URI"),
+    (["logging.backends=[mlflow]", "logging.mlflow.tracking_uri=file:{d}/mlruns"],
+     "MLflow no longer takes new runs in a directory", "use a database file, e.g. sqlite:///"),
+    (["logging.backends=[mlflow]", "logging.mlflow.tracking_uri=ftp://host/x"],
+     "has scheme 'ftp', which MLflow does not track to", "use one of http:"),
+    (["logging.backends=[jsonl]", "logging.wandb.mode=offlne"],
+     "logging.wandb.mode: must be one of", "did you mean 'offline'"),
 ] + RANGE_CASES
 
 

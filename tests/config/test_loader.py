@@ -103,3 +103,17 @@ def test_a_mapping_field_takes_yaml_and_overrides_and_names_the_bad_key(tmp_path
     with pytest.raises(ConfigError, match=r"^reward.weights.pkg: expected float, got a mapping .* "
                                           r"a key with dots goes in the YAML file"):
         load_config(None, ["reward.weights.pkg.mod:fn=1"])
+
+
+def test_a_list_field_takes_yaml_lists_and_comma_overrides_and_names_the_bad_item(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("logging:\n  backends: [jsonl, wandb]\n")
+    assert load_config(path).logging.backends == ["jsonl", "wandb"]
+    assert load_config(path, ["logging.backends=tensorboard,mlflow"]).logging.backends == \
+        ["tensorboard", "mlflow"]
+    assert load_config(None, ["logging.backends=[]"]).logging.backends == []
+    assert load_config(None).logging.backends == ["jsonl", "tensorboard"]
+    with pytest.raises(ConfigError, match=r"logging.backends\[1\]: expected str, got \[1\]"):
+        load_config(None, ["logging.backends=[jsonl, [1]]"])
+    with pytest.raises(ConfigError, match="logging.backends: expected a list of str"):
+        load_config(None, ["logging.backends={a: 1}"])

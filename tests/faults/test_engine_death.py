@@ -25,7 +25,7 @@ from tests.models.tiny_hf import save_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["rollout.engine=vllm", "train.warm_start_steps=0", "train.val_every=0",
-       "checkpoint.save_every=0", "logging.progress_bar=false", "logging.tensorboard=false",
+       "checkpoint.save_every=0", "logging.progress_bar=false", "logging.backends=[jsonl]",
        "logging.samples_every=0", "reshard.verify=false"]
 
 

@@ -29,7 +29,7 @@ from tests.rl.test_resume_after_kill import wait_for_step
 flow_launch = importlib.import_module("mcore_rl.flow.launch")  # the module, not `launch`
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["rollout.engine=hf", "train.warm_start_steps=0", "train.steps=500", "train.val_every=0",
-       "checkpoint.save_every=0", "logging.tensorboard=false", "logging.samples_every=0",
+       "checkpoint.save_every=0", "logging.backends=[jsonl]", "logging.samples_every=0",
        "reshard.verify=false"]
 OVERLAP = ["train.schedule=one_step_off", "train.max_staleness=1"]  # the reward has a process
 MARGIN_S = 15.0

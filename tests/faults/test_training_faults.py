@@ -17,7 +17,7 @@ from tests.world import shared_world
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["rollout.engine=hf", "train.warm_start_steps=20", "train.val_every=0",
         "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.samples_every=0", "reshard.verify=false"]
+        "logging.backends=[jsonl]", "logging.samples_every=0", "reshard.verify=false"]
 
 
 def _train(rank, world_size, overrides, nan_at_update=None):

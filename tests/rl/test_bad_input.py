@@ -9,7 +9,7 @@ from mcore_rl.train.run_checkpoints import RunCheckpoints
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["rollout.engine=hf", "train.warm_start_steps=0", "data.prompts_per_step=4",
         "rollout.n_samples_per_prompt=2", "train.val_every=0", "logging.progress_bar=false",
-        "logging.tensorboard=false", "reshard.verify=false"]
+        "logging.backends=[jsonl]", "reshard.verify=false"]
 
 _calls = 0
 

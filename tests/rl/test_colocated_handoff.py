@@ -81,7 +81,7 @@ def _overrides(tmp_path) -> list[str]:
     return [f"rollout.engine={__name__}:build_recording_engine", "train.warm_start_steps=2",
             "train.steps=2", "train.val_every=0", "reshard.verify=false",
             "checkpoint.save_every=0", "logging.progress_bar=false",
-            "logging.tensorboard=false", "logging.samples_every=0", f"logging.dir={tmp_path}"]
+            "logging.backends=[jsonl]", "logging.samples_every=0", f"logging.dir={tmp_path}"]
 
 
 def test_rl_steps_hand_the_devices_over_in_order_sleep_train_wake_weights_sync_wake_kv(tmp_path):

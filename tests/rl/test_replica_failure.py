@@ -25,7 +25,7 @@ RUN = ["rollout.engine=vllm", "rollout.replicas=2", "rollout.placement=separate"
        "rollout.on_replica_failure=continue", "train.schedule=async", "train.max_staleness=1",
        f"train.steps={STEPS}", f"data.prompts_per_step={PROMPTS}", "rollout.n_samples_per_prompt=4",
        "train.warm_start_steps=0", "train.val_every=0", "checkpoint.save_every=0",
-       "logging.samples_every=1", "logging.samples_per_step=0", "logging.tensorboard=false",
+       "logging.samples_every=1", "logging.samples_per_step=0", "logging.backends=[jsonl]",
        "logging.progress_bar=false", "reshard.verify=false"]
 
 

@@ -21,7 +21,7 @@ def command(log_dir, *extra):
     return [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/quickstart.yaml",
             "rollout.engine=hf", "train.warm_start_steps=50", f"train.steps={STEPS}",
             "train.val_every=3", "checkpoint.save_every=2", "checkpoint.resume=auto",
-            "logging.progress_bar=false", "logging.tensorboard=false", f"logging.dir={log_dir}",
+            "logging.progress_bar=false", "logging.backends=[jsonl]", f"logging.dir={log_dir}",
             *extra]
 
 

@@ -14,7 +14,7 @@ def test_one_short_step_of_the_smollm2_config_runs_end_to_end(tmp_path):
         [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/smollm2_grpo.yaml",
          "train.steps=1", "train.val_every=0", "data.prompts_per_step=1", "rollout.n_samples_per_prompt=2",
          "rollout.max_new_tokens=8", "checkpoint.save_every=0", "checkpoint.resume=never",
-         "logging.progress_bar=false", "logging.tensorboard=false", "logging.samples_every=1",
+         "logging.progress_bar=false", "logging.backends=[jsonl]", "logging.samples_every=1",
          f"logging.dir={tmp_path}"],
         capture_output=True, text=True, cwd=REPO, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -11,7 +11,7 @@ from tests.world import shared_world
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["rollout.engine=hf", "train.warm_start_steps=300", "train.steps=10", "train.val_every=5",
-        "checkpoint.save_every=0", "logging.progress_bar=false", "logging.tensorboard=false",
+        "checkpoint.save_every=0", "logging.progress_bar=false", "logging.backends=[jsonl]",
         "reshard.verify=true", "reshard.verify_every=1"]
 
 

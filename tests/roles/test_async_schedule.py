@@ -16,7 +16,7 @@ from mcore_rl.config import load_config, validate_config
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["train.schedule=async", "rollout.placement=separate",
        "train.val_every=0", "checkpoint.save_every=0", "logging.progress_bar=false",
-       "logging.tensorboard=false", "logging.samples_every=0"]
+       "logging.backends=[jsonl]", "logging.samples_every=0"]
 
 
 def _history(path: Path) -> list[dict]:

@@ -11,7 +11,7 @@ from mcore_rl.roles.rules import check_runnable
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 BASE = ["rollout.engine=hf", f"train.steps={STEPS}", "train.val_every=0", "train.warm_start_steps=0",
-        "reshard.verify=false", "checkpoint.save_every=0", "logging.tensorboard=false",
+        "reshard.verify=false", "checkpoint.save_every=0", "logging.backends=[jsonl]",
         "logging.samples_every=0"]
 
 

@@ -46,7 +46,7 @@ def test_the_reward_controller_scores_rollouts_with_a_trained_reward_model(tmp_p
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", [
         "rollout.engine=hf", "train.steps=2", "train.val_every=2", "train.warm_start_steps=0",
         "data.prompts_per_step=4", "rollout.n_samples_per_prompt=2", "data.num_val=4",
-        "logging.samples_every=1", "checkpoint.save_every=0", "logging.tensorboard=false",
+        "logging.samples_every=1", "checkpoint.save_every=0", "logging.backends=[jsonl]",
         "logging.progress_bar=false", f"logging.dir={run}", "reward.name=reward_model",
         f"reward.reward_model_path={tmp_path / 'rm'}", "reward.rm_tp=2"]), 1)
     stats = run_job(cfg)

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 BASE = ["rollout.engine=hf", "train.warm_start_steps=40", "train.steps=3", "train.val_every=3",
         "data.num_val=16", "checkpoint.save_every=0", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.samples_every=0", "reshard.verify=true",
+        "logging.backends=[jsonl]", "logging.samples_every=0", "reshard.verify=true",
         "reshard.verify_every=1", "train.share_prompts=false"]
 PPO = ["algorithm.advantage_estimator=gae", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2",
        "optimizer.critic_lr=1e-3"]

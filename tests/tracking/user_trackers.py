@@ -1,0 +1,15 @@
+"""Trackers of a user's own (``logging.backends: [tests.tracking.user_trackers:Class]``)."""
+from mcore_rl.tracking import Tracker
+
+
+class FailsAtStep2(Tracker):
+    """Records steps into ``seen`` (a class attribute) and raises at step 2, as a tracker
+    whose server went away would."""
+
+    name = "fails_at_step_2"
+    seen: list[int] = []
+
+    def log(self, step, metrics):
+        if step == 2:
+            raise ConnectionError("the tracking server went away\nsecond line")
+        FailsAtStep2.seen.append(step)
