@@ -1,16 +1,12 @@
-"""Where metrics go: the console line, the progress bar, and the run's trackers
-(``logging.backends``: JSONL, TensorBoard, W&B, MLflow; `mcore_rl.tracking`), plus a
-reward-curve plot at the end. Only rank 0 writes."""
+"""Where metrics go: the console's status line (`mcore_rl.status_line`) and the run's
+trackers (``logging.backends``: JSONL, TensorBoard, W&B, MLflow; `mcore_rl.tracking`), plus
+a reward-curve plot at the end. Only rank 0 writes."""
 from __future__ import annotations
 
-import math
-import time
 from pathlib import Path
 
+from mcore_rl.status_line import RL_KEYS, StatusLine
 from mcore_rl.tracking import RunInfo, Tracker, tracker_class
-
-CONSOLE_KEYS = ("reward/mean", "val/score", "val/rm_score", "actor/kl", "actor/entropy",
-                "actor/clip_fraction", "critic/loss", "response/length", "perf/tokens_per_s")
 
 
 class MetricsLog:
@@ -23,12 +19,12 @@ class MetricsLog:
     tracking server that went away) is reported in one line and dropped; the others, and
     the run, go on."""
 
-    def __init__(self, directory: str | Path, total_steps: int = 0, start_step: int = 0,
-                 backends: tuple[str, ...] | list[str] = ("jsonl",), progress_bar: bool = True,
-                 enabled: bool = True, logging=None, config: dict | None = None):
+    def __init__(self, directory: str | Path, total_steps: int = 0,
+                 backends: tuple[str, ...] | list[str] = ("jsonl",), live: bool | None = None,
+                 enabled: bool = True, logging=None, config: dict | None = None,
+                 keys: tuple[str, ...] = RL_KEYS):
         self.dir = Path(directory)
         self.enabled = enabled
-        self.bar = None
         self.trackers: list[Tracker] = []
         self.started = False
         self.records: list[dict] = []  # this process's records (history without jsonl)
@@ -37,23 +33,22 @@ class MetricsLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         run = RunInfo(self.dir, logging, config or {})
         self.trackers = [tracker_class(name)(run) for name in backends]
-        if progress_bar:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="rl", unit="step",
-                            dynamic_ncols=True)
-        self.t0 = time.time()
+        self.status = StatusLine(total_steps, keys, live=live)
 
     @classmethod
-    def for_config(cls, cfg, enabled: bool, progress_bar: bool | None = None) -> "MetricsLog":
+    def for_config(cls, cfg, enabled: bool, keys: tuple[str, ...] = RL_KEYS,
+                   live: bool | None = None) -> "MetricsLog":
         """The log of a run of ``cfg`` (its ``logging`` section; the whole config goes to the
-        trackers that record it)."""
+        trackers that record it); ``keys``: the metrics the status line shows; ``live``:
+        whether it is rewritten in place (default: on a terminal, with
+        ``logging.progress_bar``)."""
         from mcore_rl.config.loader import config_to_dict
 
         lg = cfg.logging
+        if live is None and not lg.progress_bar:
+            live = False
         return cls(lg.dir, cfg.train.steps, backends=lg.backends, enabled=enabled, logging=lg,
-                   progress_bar=lg.progress_bar if progress_bar is None else progress_bar,
-                   config=config_to_dict(cfg))
+                   live=live, config=config_to_dict(cfg), keys=keys)
 
     def _each(self, what: str, *args) -> None:
         for tracker in list(self.trackers):
@@ -61,6 +56,7 @@ class MetricsLog:
                 getattr(tracker, what)(*args)
             except Exception as err:  # noqa: BLE001 - a tracker's failure must not end the run
                 self.trackers.remove(tracker)
+                self.status.close()  # a live line ends first
                 print(f"mcore-rl: the {tracker.name} tracker failed ({type(err).__name__}: "
                       f"{str(err).splitlines()[0] if str(err) else ''}); it records nothing "
                       "more, the run goes on", flush=True)
@@ -84,14 +80,7 @@ class MetricsLog:
         values = {k: float(v) for k, v in metrics.items()}
         self.records.append({"step": step, **values})
         self._each("log", step, values)
-        if self.bar is not None and step > self.bar.n:
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
-                                  ("reward/mean", "val/score") if k in metrics})
-        if console:
-            parts = [f"{k} {metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics]
-            line = f"step {step}: " + "  ".join(parts)
-            (self.bar.write if self.bar is not None else print)(line)
+        self.status.update(step, values, keep=console)
 
     def samples(self, step: int, rows: list[dict]) -> None:
         if self.enabled:
@@ -107,9 +96,8 @@ class MetricsLog:
     def close(self, finished: bool = True, artifacts: tuple[Path, ...] = ()) -> None:
         """End the trackers' runs: ``finished`` (else stopped, to be resumed), with
         ``artifacts`` (files) to keep."""
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        if self.enabled:
+            self.status.close()
         if self.enabled and self.started:
             self._each("close", finished, tuple(a for a in artifacts if a is not None))
             self.trackers = [t for t in self.trackers if t.name == "jsonl"]  # history stays

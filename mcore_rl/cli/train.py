@@ -63,6 +63,16 @@ def launched_by_torchrun_or_srun() -> bool:
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in os.environ
 
 
+def quiet_progress_bars() -> None:
+    """No progress-bar frames from the libraries (loading and writing checkpoints) between
+    the status lines, here and in the processes started from here."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def run(args) -> int:
     from mcore_rl.roles.rules import check_config, check_runnable, world_size_of
 
@@ -90,6 +100,7 @@ def run_checked(cfg: RLConfig) -> int:
 
     # vLLM logs every request at INFO; keep the console for the run's own progress.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet_progress_bars()
     given = os.environ.get(STOP_FILE_ENV)
     private = None
     if given:
@@ -183,8 +194,9 @@ def run_on_launcher_ranks(args) -> int:
     if rank == 0:
         print(f"mcore-rl: {describe(cfg)} in the launcher's world of {world} rank(s), without "
               f"Ray; preflight ok: {describe_peers(peers)}", flush=True)
+    quiet_progress_bars()
     try:
-        run_in_this_world(replace(cfg, logging=replace(cfg.logging, progress_bar=False)), stop)
+        run_in_this_world(cfg, stop)
     except UsageError as err:
         print(f"mcore-rl train: error{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr,
               flush=True)

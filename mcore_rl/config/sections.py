@@ -521,14 +521,16 @@ class LoggingConfig:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     """MLflow settings."""
     log_every: int = 1
-    """Console summary every N steps."""
+    """Keep the console's status line every N steps (and at the last)."""
     samples_every: int = 5
     """Write sample rollouts every N steps; 0 disables."""
     samples_per_step: int = 8
     """Samples written for each such step (the first ones of its batch); 0: all of them,
     which with ``samples_every: 1`` records every prompt each step trained on."""
     progress_bar: bool = True
-    """Show a progress bar (step, rate, ETA)."""
+    """On a terminal, rewrite the status line (step, metrics, tokens/s, phase shares, time
+    left) in place between the lines ``log_every`` keeps; false, or not a terminal: only the
+    kept lines, plain."""
 
 
 @dataclass

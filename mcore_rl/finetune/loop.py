@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mcore_rl.config import RLConfig
 from mcore_rl.errors import NonFiniteError, StopRequested
-from mcore_rl.finetune.setup import FinetuneRun, copy_weights, open_reference_cache
+from mcore_rl.finetune.setup import LINE_KEYS, FinetuneRun, copy_weights, open_reference_cache
 
 
 def finetune_step(run: FinetuneRun) -> dict[str, float]:
@@ -60,9 +60,7 @@ def after_step(run: FinetuneRun, metrics: dict[str, float], stop=None) -> None:
     cfg, ctx = run.cfg, run.ctx
     if _validation_due(run):
         metrics |= validate(run)
-    run.log.log(run.step, metrics, console=False)
-    if ctx.is_controller and run.step % cfg.logging.log_every == 0:
-        print(step_line(run.step, metrics), flush=True)
+    run.log.log(run.step, metrics, console=run.step % cfg.logging.log_every == 0)
     saved = None
     if (cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0) \
             or run.step == cfg.train.steps:
@@ -133,9 +131,7 @@ def resume_or_start(run: FinetuneRun) -> None:
     if cfg.train.val_every:
         metrics = validate(run)
         if metrics:
-            run.log.log(0, metrics, console=False)
-            if run.ctx.is_controller:
-                print(step_line(0, metrics), flush=True)
+            run.log.log(0, metrics)
 
 
 @dataclass
@@ -161,12 +157,6 @@ def warm_start(run: FinetuneRun) -> list[float]:
     return losses
 
 
-LINE_KEYS = ("loss", "reward/mean", "pairs", "rewards/accuracy", "rewards/margin", "kto/kl", "val/score", "val/loss",
-             "val/preference_accuracy", "val/reward_accuracy", "val/rm_accuracy")
-
-
-def step_line(step: int, metrics: dict[str, float]) -> str:
-    return f"step {step}: " + "  ".join(f"{k} {metrics[k]:.4g}" for k in LINE_KEYS if k in metrics)
 
 
 def finish(run: FinetuneRun) -> None:

@@ -51,6 +51,10 @@ def trained_parts(cfg: RLConfig) -> list[str]:
     return ["model"] + (["reference"] if job.needs_reference and cfg.train.warm_start_steps else [])
 
 
+LINE_KEYS = ("loss", "reward/mean", "pairs", "rewards/accuracy", "rewards/margin", "kto/kl", "val/score",
+             "val/loss", "val/preference_accuracy", "val/reward_accuracy", "val/rm_accuracy")
+"""The metrics of a fine-tuning step the console's status line shows."""
+
 @dataclass
 class FinetuneRun:
     cfg: RLConfig
@@ -131,7 +135,7 @@ def build_finetune_run(cfg: RLConfig, ctx: ParallelContext) -> FinetuneRun:
         ref = build_model(model_dir, ctx, role="reference", dtype=m.dtype, moe=moe, sequence_parallel=sp)
         reference = build_engine(ref.chunks, ctx, vocab_size=vocab, share_prompts=share,
                                  packing=packed)
-    log = MetricsLog.for_config(cfg, enabled=ctx.is_controller)
+    log = MetricsLog.for_config(cfg, enabled=ctx.is_controller, keys=LINE_KEYS)
     scorer = None
     if job.engine_kind == "lm":
         scorer = build_score_state(cfg, ctx, model_dir, tokenizer, model, built.spec.arch,

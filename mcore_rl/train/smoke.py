@@ -76,7 +76,7 @@ class SmokeRun:
             self.losses = list(self.checkpoints.load(resume, {"model": self.engine})["losses"])
             if ctx.rank == 0:
                 log(f"mcore-rl: resumed from {resume} after step {len(self.losses)}", flush=True)
-        self.metrics = MetricsLog.for_config(cfg, enabled=ctx.rank == 0, progress_bar=False)
+        self.metrics = MetricsLog.for_config(cfg, enabled=ctx.rank == 0, live=False)  # it prints its own lines
         self.metrics.truncate_after(len(self.losses) if resume is not None else -1)
 
     @property

@@ -234,7 +234,7 @@ def test_ray_job_preempted_checkpoints_requeues_on_clean_nodes_and_resumes(
     job_id = submit_ray(cluster, tmp_path)
     log_path = tmp_path / f"slurm-{job_id}.log"
     # Signal once the driver has trained a step: it stops at the next step boundary.
-    wait_for(cluster, job_id, lambda i: log_path.exists() and "step 1:" in log_path.read_text(),
+    wait_for(cluster, job_id, lambda i: log_path.exists() and re.search(r"\bstep 1[/:]", log_path.read_text()),
              "first step")
     cluster.run(["scancel", "--batch", "--signal=USR1", job_id])
     wait_for(cluster, job_id, lambda i: i["Restarts"] == "1", "requeue")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -73,7 +74,22 @@ def run(mlflow_server, tmp_path_factory):
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     records = [json.loads(line) for line in (d / "run" / "metrics.jsonl").read_text().splitlines()]
-    return d / "run", records
+    return d / "run", records, out.stdout
+
+
+def test_the_console_has_one_plain_status_line_per_step_and_no_progress_bar_frames(run):
+    """Output to a pipe: no carriage return (no bar frames, from us or the libraries), and
+    each step's line once, with tokens/s, the phase shares and, from the second step, the
+    time left."""
+    _, _, out = run
+    assert "\r" not in out, [line for line in out.split("\n") if "\r" in line][:3]
+    # without Ray's prefix: the process, in color
+    lines = [re.sub(r"^(\x1b\[[0-9;]*m)?\(\w+ pid=\d+\)(\x1b\[[0-9;]*m)? ", "", line)
+             for line in out.splitlines()]
+    for step in range(1, STEPS + 1):
+        (line,) = [x for x in lines if x.startswith(f"step {step}/{STEPS}: reward/mean ")]
+        assert " tokens/s | generate " in line and "update " in line, line
+        assert (" | eta 0:" in line) == (step > 1), line
 
 
 def _series(records, key):
@@ -93,7 +109,7 @@ def _api(server: str, endpoint: str, **query):
 
 
 def test_the_mlflow_server_holds_the_runs_metrics_params_and_artifacts(mlflow_server, run):
-    run_dir, records = run
+    run_dir, records, _ = run
     run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
     info = _api(mlflow_server, "runs/get", run_id=run_id)["run"]
     assert info["info"]["status"] == "FINISHED" and info["info"]["run_name"] == "three-steps"
@@ -113,7 +129,7 @@ def test_the_mlflow_server_holds_the_runs_metrics_params_and_artifacts(mlflow_se
 
 
 def test_the_offline_wandb_run_holds_what_metrics_jsonl_holds(run):
-    run_dir, records = run
+    run_dir, records, _ = run
     (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
     for key in ("reward/mean", "val/score"):
         got = wandb_history(wandb_run, key)
@@ -123,7 +139,7 @@ def test_the_offline_wandb_run_holds_what_metrics_jsonl_holds(run):
 def test_tensorboard_holds_what_metrics_jsonl_holds(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir, records = run
+    run_dir, records, _ = run
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     for key in ("reward/mean", "val/score", "actor/entropy", "time/update"):
