@@ -1,4 +1,4 @@
-"""Imports go one way (README: "Architecture").
+"""Imports go one way (docs/architecture.md).
 
 Two checks: import-linter's contracts (``.importlinter``) over ``mcore_rl/``, and a check of
 the source of the folders installed as ``mcore_rl.*`` from outside ``mcore_rl/``
