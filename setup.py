@@ -44,7 +44,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "logging": ["matplotlib"],
         "wandb": ["wandb"],  # logging.backends: [..., wandb]
-        "mlflow": ["mlflow-skinny"],  # logging.backends: [..., mlflow] (the client is enough)
+        "mlflow": ["mlflow"],  # logging.backends: [..., mlflow] (mlflow-skinny: a server's client only)
         "tasks": ["reasoning-gym"],
         "math": ["math-verify[antlr4_13_2]>=0.9"],  # the math reward, with its ANTLR runtime
         "test": ["pytest", "pytest-timeout"],

@@ -33,6 +33,9 @@ class MetricsLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         run = RunInfo(self.dir, logging, config or {})
         self.trackers = [tracker_class(name)(run) for name in backends]
+        for tracker, name in zip(self.trackers, backends):
+            if tracker.name == Tracker.name:  # a class of the user's without a name
+                tracker.name = name
         self.status = StatusLine(total_steps, keys, live=live)
 
     @classmethod

@@ -1,8 +1,9 @@
 """The console's line per step: the step of the run, the headline metrics, the latest
 validation score, tokens/s, each phase's share of the step, and the time left.
 
-On a terminal the line is live: it is rewritten in place at every step and kept (a new
-line) every ``logging.log_every`` steps and at the last. Elsewhere (a file, a pipe, the
+Where the process that writes it (the trainer's first rank) has a terminal for its output
+(under torchrun or srun), the line is live: it is rewritten in place at every step and
+kept (a new line) every ``logging.log_every`` steps. Elsewhere (a file, a pipe, the
 Ray driver relaying a rank's output) each kept line is a plain line and nothing else is
 written: no progress-bar frames."""
 from __future__ import annotations
@@ -15,8 +16,8 @@ RL_KEYS = ("reward/mean", "actor/kl", "actor/entropy", "actor/clip_fraction", "c
            "response/length")
 """The headline metrics of an RL step, in the order shown."""
 VALIDATION_KEYS = ("val/score", "val/rm_score")
-NOT_PHASES = ("time/step", "time/batch_interval", "time/trainer_idle_s")
-"""``time/*`` metrics that are not a phase of the step."""
+NOT_PHASES = ("time/step", "time/batch_interval")
+"""``time/*`` metrics that are not a phase of the step (nor are waits, ``time/*_s``)."""
 
 
 def format_duration(seconds: float) -> str:
@@ -29,7 +30,8 @@ def phase_shares(metrics: dict[str, float], top: int = 3) -> str:
     ``time/step``, in the order the step ran them."""
     total = metrics.get("time/step", 0.0)
     phases = [(k[len("time/"):], v / total) for k, v in metrics.items()
-              if k.startswith("time/") and k not in NOT_PHASES and total > 0]
+              if k.startswith("time/") and k not in NOT_PHASES and not k.endswith("_s")
+              and total > 0]
     kept = sorted(sorted(phases, key=lambda p: -p[1])[:top], key=lambda p: phases.index(p))
     return ", ".join(f"{name} {share:.0%}" for name, share in kept if share >= 0.01)
 
@@ -81,9 +83,9 @@ class StatusLine:
         return format_duration((now - self.first[1]) / done * max(0, self.total - step))
 
     def update(self, step: int, metrics: dict[str, float], keep: bool = True) -> None:
-        """Show ``step``'s line: kept (``keep``, or the run's last step) or, live, in place."""
+        """Show ``step``'s line: kept (``keep``) or, live, in place (until the next line or
+        `close`)."""
         line = self.render(step, metrics)
-        keep = keep or bool(self.total and step >= self.total)
         if not self.live:
             if keep:
                 print(line, file=self.stream, flush=True)

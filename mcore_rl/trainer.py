@@ -116,7 +116,7 @@ def after_step(state: RunState, metrics: dict[str, float], stop) -> None:
         saved = save_checkpoint(state)
     if stop is not None and state.step < cfg.train.steps and stop.should_stop(state.ctx):
         path = saved or save_checkpoint(state)
-        finish(state)
+        finish(state, stopped=True)
         raise StopRequested(state.step, path)
 
 
@@ -179,9 +179,10 @@ def sample_rows(batch, limit: int | None = 8) -> list[dict]:
                                batch["scores"][:limit].tolist())]
 
 
-def finish(state: RunState) -> None:
-    """Summary line, reward-curve PNG, the reward scorer's worker processes stopped (the
-    engines belong to their rollout roles, which close them)."""
+def finish(state: RunState, stopped: bool = False) -> None:
+    """Summary line, reward-curve PNG, the trackers' runs ended (``stopped``: to be
+    resumed), the reward scorer's worker processes stopped (the engines belong to their
+    rollout roles, which close them)."""
     from mcore_rl.metrics_log import plot_reward_curve
 
     if state.is_controller:
@@ -189,7 +190,7 @@ def finish(state: RunState) -> None:
         vals = [h["val/score"] for h in history if "val/score" in h]
         rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
         plot = plot_reward_curve(history, state.log.dir / "reward_curve.png")
-        state.log.close(finished=state.step >= state.cfg.train.steps, artifacts=(plot,))
+        state.log.close(finished=not stopped, artifacts=(plot,))
         if vals and rewards:
             print(f"mcore-rl: {state.step} steps; validation score {vals[0]:.2f} -> {vals[-1]:.2f}; "
                   f"train reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; metrics "

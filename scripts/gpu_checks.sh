@@ -46,11 +46,11 @@ gpu_tests="tests/kernels tests/reshard tests/train/test_engine_gpu.py tests/trai
 check gpu_tests 300 "$py" -m pytest -m gpu $gpu_tests -q -p no:cacheprovider
 check bench_kernels 300 "$py" -m mcore_rl.cli.main bench kernels --device cuda --json "$out/bench_kernels.json"
 check grpo 400 "$py" -m torch.distributed.run --nproc_per_node 1 -m mcore_rl.cli.main \
-    train configs/quickstart.yaml rollout.engine=hf logging.dir="$work/grpo" logging.tensorboard=false logging.progress_bar=false
+    train configs/quickstart.yaml rollout.engine=hf logging.dir="$work/grpo" "logging.backends=[jsonl]" logging.progress_bar=false
 cp "$work/grpo/metrics.jsonl" "$out/grpo_metrics.jsonl" 2>/dev/null
 for job in sft dpo; do
     check "$job" 200 "$py" -m torch.distributed.run --nproc_per_node 1 -m mcore_rl.cli.main \
-        train "configs/${job}_quickstart.yaml" logging.dir="$work/$job" logging.tensorboard=false \
+        train "configs/${job}_quickstart.yaml" logging.dir="$work/$job" "logging.backends=[jsonl]" \
         logging.progress_bar=false
 done
 rm -rf "$work"

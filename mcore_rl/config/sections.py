@@ -528,8 +528,9 @@ class LoggingConfig:
     """Samples written for each such step (the first ones of its batch); 0: all of them,
     which with ``samples_every: 1`` records every prompt each step trained on."""
     progress_bar: bool = True
-    """On a terminal, rewrite the status line (step, metrics, tokens/s, phase shares, time
-    left) in place between the lines ``log_every`` keeps; false, or not a terminal: only the
+    """Where the trainer's first rank writes to a terminal (under torchrun or srun; on Ray
+    its output is relayed as plain lines), rewrite the status line (step, metrics, tokens/s,
+    phase shares, time left) in place between the lines ``log_every`` keeps; false: only the
     kept lines, plain."""
 
 

@@ -165,7 +165,7 @@ def finish(run: FinetuneRun) -> None:
     close(run.scorer)
     if run.ctx.is_controller:
         history = run.log.history()
-        run.log.close(finished=run.step >= run.cfg.train.steps)
+        run.log.close()
         vals = {k: [h[k] for h in history if k in h] for k in LINE_KEYS if k.startswith("val/")}
         shown = "; ".join(f"{k} {v[0]:.2f} -> {v[-1]:.2f}" for k, v in vals.items() if v)
         first = run.losses[0] if run.losses else float("nan")

@@ -40,7 +40,7 @@ class SmokeTrain:
     def close(self) -> None:
         """The run's summary (rank 0): ``smoke_summary.json`` and one line."""
         run = self.run
-        run.metrics.close(finished=run.step_count >= run.steps)
+        run.metrics.close()
         if run.ctx.rank != 0 or run.step_count < run.steps:
             return
         out = Path(self.cfg.logging.dir)

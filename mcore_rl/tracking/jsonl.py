@@ -21,7 +21,7 @@ class JsonlTracker(Tracker):
         for path in (self.metrics_path, self.samples_path):
             if path.exists():
                 keep = [line for line in path.read_text().splitlines()
-                        if line.strip() and json.loads(line)["step"] <= last]
+                        if (_step(line) if line.strip() else last + 1) <= last]
                 path.write_text("".join(line + "\n" for line in keep))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -37,4 +37,13 @@ class JsonlTracker(Tracker):
         if not self.metrics_path.exists():
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines()
-                if line.strip()]
+                if line.strip() and _step(line) != float("inf")]
+
+
+def _step(line: str) -> float:
+    """A record's step; a line a killed process left half-written counts as after every
+    step (dropped on resume)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return float("inf")

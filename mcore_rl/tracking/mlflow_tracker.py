@@ -9,6 +9,7 @@ artifacts (``samples/step_N.json``); at the end, the reward-curve plot and the f
 attempt logged after its last checkpoint have two values, the killed attempt's first."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import time
@@ -27,6 +28,12 @@ def tracking_uri_of(logging) -> str:
     return uri or f"sqlite:///{Path(logging.dir).resolve() / 'mlflow.db'}"
 
 
+def sqlite_path(uri: str) -> Path:
+    """The database file of a ``sqlite:///`` URI (``sqlite:///rel.db`` is relative to the
+    working directory, ``sqlite:////abs.db`` absolute)."""
+    return Path(uri[len("sqlite:///"):]).resolve()
+
+
 def _unreachable(uri: str) -> str | None:
     """Why the tracking server at ``uri`` does not answer, or None when it does."""
     import urllib.error
@@ -35,8 +42,8 @@ def _unreachable(uri: str) -> str | None:
     try:
         with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as reply:
             return None if reply.status == 200 else f"/health answered {reply.status}"
-    except urllib.error.HTTPError as err:
-        return f"/health answered {err.code}"
+    except urllib.error.HTTPError as err:  # behind a proxy that asks for the client's token: up
+        return None if err.code in (401, 403) else f"/health answered {err.code}"
     except (urllib.error.URLError, OSError, ValueError) as err:
         return str(getattr(err, "reason", err))
 
@@ -50,7 +57,7 @@ class MlflowTracker(Tracker):
     def check(cls, logging) -> None:
         super().check(logging)
         uri = tracking_uri_of(logging)
-        scheme = urlparse(uri).scheme
+        scheme = "databricks" if uri.startswith("databricks") else urlparse(uri).scheme
         if scheme in ("file", ""):
             raise UsageError(f"logging.mlflow.tracking_uri={uri}: MLflow no longer takes new runs in "
                              "a directory (its file store); use a database file, e.g. "
@@ -63,8 +70,13 @@ class MlflowTracker(Tracker):
             if why is not None:
                 raise UsageError(f"logging.mlflow.tracking_uri={uri}: the tracking server does not "
                                  f"answer ({why}); start it ('mlflow server') or fix the URI")
+        if scheme not in ("http", "https", "databricks") \
+                and importlib.util.find_spec("sqlalchemy") is None:
+            raise UsageError(f"logging.mlflow.tracking_uri={uri} is a database, which the MLflow "
+                             "client alone (mlflow-skinny) cannot write; pip install mlflow, or "
+                             "give a tracking server's http:// address")
         if scheme == "sqlite":
-            path = Path(urlparse(uri).path)
+            path = sqlite_path(uri)
             existing = next((p for p in (path, *path.parents) if p.exists()), None)
             if existing is not None and not os.access(existing if existing.is_dir() else existing.parent,
                                                       os.W_OK):
@@ -87,8 +99,13 @@ class MlflowTracker(Tracker):
             self.run_id = run_id
             return
         experiment = self.client.get_experiment_by_name(cfg.experiment)
-        experiment_id = experiment.experiment_id if experiment is not None \
-            else self.client.create_experiment(cfg.experiment)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:  # a database's artifacts beside it (MLflow would put them in ./mlruns)
+            uri = tracking_uri_of(self.run.logging)
+            where = (sqlite_path(uri).parent / "mlartifacts").as_uri() \
+                if uri.startswith("sqlite:///") else None
+            experiment_id = self.client.create_experiment(cfg.experiment, artifact_location=where)
         tags = {"mlflow.source.git.commit": git_revision() or ""}
         self.run_id = self.client.create_run(experiment_id, run_name=cfg.run_name or self.run.name,
                                              tags=tags).info.run_id
@@ -113,7 +130,6 @@ class MlflowTracker(Tracker):
 
         for path in artifacts:
             self.client.log_artifact(self.run_id, str(path))
-        if finished:
-            self.client.log_text(self.run_id, yaml.safe_dump(self.run.config, sort_keys=False),
-                                 "config.yaml")
+        self.client.log_text(self.run_id, yaml.safe_dump(self.run.config, sort_keys=False),
+                             "config.yaml")
         self.client.set_terminated(self.run_id, "FINISHED" if finished else "KILLED")

@@ -1,6 +1,7 @@
 """``tensorboard``: event files in ``logging.dir``/tensorboard, through torch's
 ``SummaryWriter``. On resume the writer purges the steps after the checkpoint, so
-TensorBoard shows each step once (the resumed attempt's values)."""
+TensorBoard shows each step once (the resumed attempt's values); a fresh run in the same
+directory purges the earlier run's."""
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ class TensorBoardTracker(Tracker):
     def start(self, resumed_after: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        purge = None if resumed_after is None else resumed_after + 1
+        purge = 0 if resumed_after is None else resumed_after + 1  # a fresh run: all of them
         self.writer = SummaryWriter(str(self.run.dir / "tensorboard"), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

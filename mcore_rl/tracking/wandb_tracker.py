@@ -79,4 +79,6 @@ class WandbTracker(Tracker):
         for path in artifacts:
             if path.suffix == ".png":
                 self.wb.log({path.stem: wandb.Image(str(path))})
-        self.wb.finish(exit_code=0 if finished else 3)
+        if not finished:  # stopped to be resumed: W&B shows it preempted, not failed
+            self.wb.mark_preempting()
+        self.wb.finish()

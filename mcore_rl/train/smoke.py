@@ -106,7 +106,9 @@ class SmokeRun:
         if stop is not None and step < self.steps and stop.should_stop(ctx):
             from mcore_rl.errors import StopRequested
 
-            raise StopRequested(step, saved or self.save())
+            path = saved or self.save()
+            self.metrics.close(finished=False)
+            raise StopRequested(step, path)
         return result.loss
 
     def save(self):

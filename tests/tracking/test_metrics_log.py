@@ -60,9 +60,17 @@ def test_a_fresh_run_in_the_same_directory_starts_its_logs_over(tmp_path):
     assert [(h["step"], h["reward/mean"]) for h in log.history()] == [(1, 5.0), (2, 10.0)]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    # the earlier run's event file stays; its steps 1-2 are superseded by the newer values
-    assert (3, 3.0) in [(e.step, e.value) for e in events.Scalars("reward/mean")]
+    # the earlier run's event file stays on disk, and TensorBoard shows none of its steps
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 5.0), (2, 10.0)]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_half_written_last_record_of_a_killed_attempt_is_dropped_on_resume(tmp_path):
+    _attempt(tmp_path, ["jsonl"], -1, [1, 2], 1.0)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "reward/mea')  # the kill came mid-write
+    log = _attempt(tmp_path, ["jsonl"], 2, [3], 10.0, stop=False)
+    assert [(h["step"], h["reward/mean"]) for h in log.history()] == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
 def test_a_tracker_that_fails_is_dropped_in_one_line_and_the_run_and_other_trackers_go_on(
@@ -76,8 +84,9 @@ def test_a_tracker_that_fails_is_dropped_in_one_line_and_the_run_and_other_track
         log.log(step, {"reward/mean": float(step)}, console=False)
     log.close()
     out = capsys.readouterr().out.strip().splitlines()
-    assert out == ["mcore-rl: the fails_at_step_2 tracker failed (ConnectionError: the tracking "
-                   "server went away); it records nothing more, the run goes on"]
+    assert out == ["mcore-rl: the tests.tracking.user_trackers:FailsAtStep2 tracker failed "
+                   "(ConnectionError: the tracking server went away); it records nothing more, "
+                   "the run goes on"]
     assert FailsAtStep2.seen == [1]
     assert [h["step"] for h in log.history()] == [1, 2, 3]
 
@@ -142,3 +151,28 @@ def test_wandb_online_without_a_key_is_refused_before_any_rank_starts(
         check_trackers(load_config(None, ["logging.backends=[wandb]"]).logging)
     finally:
         del os.environ["WANDB_API_KEY"]
+
+
+def test_mlflow_in_its_default_database_keeps_everything_in_logging_dir_and_resume_continues_the_run(
+        tmp_path, monkeypatch):
+    """No tracking URI: a SQLite database and its artifacts in ``logging.dir`` (nothing in
+    the working directory); the resumed attempt continues the same run, which keeps both
+    values of a step logged twice (the killed attempt's first)."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "run"
+    _attempt(run_dir, ["mlflow"], -1, [1, 2, 3], 1.0, "logging.mlflow.experiment=tests")
+    first = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    _attempt(run_dir, ["mlflow"], 2, [3, 4], 10.0, "logging.mlflow.experiment=tests", stop=False)
+    assert json.loads((run_dir / "trackers.json").read_text())["mlflow"] == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    run = client.get_run(first)
+    assert run.info.status == "FINISHED" and run.data.params["logging.backends"] == "['mlflow']"
+    history = [(m.step, m.value) for m in client.get_metric_history(first, "reward/mean")]
+    assert sorted(history) == [(1, 1.0), (2, 2.0), (3, 3.0), (3, 30.0), (4, 40.0)]
+    assert "loss" not in run.data.metrics  # NaN is not sent
+    assert {a.path for a in client.list_artifacts(first)} == {"config.yaml", "samples"}
+    assert (run_dir / "mlartifacts").is_dir()

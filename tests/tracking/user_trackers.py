@@ -6,7 +6,6 @@ class FailsAtStep2(Tracker):
     """Records steps into ``seen`` (a class attribute) and raises at step 2, as a tracker
     whose server went away would."""
 
-    name = "fails_at_step_2"
     seen: list[int] = []
 
     def log(self, step, metrics):
