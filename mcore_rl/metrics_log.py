@@ -96,13 +96,13 @@ class MetricsLog:
         jsonl = next((t for t in self.trackers if t.name == "jsonl"), None)
         return jsonl.history() if jsonl is not None else list(self.records)
 
-    def close(self, finished: bool = True, artifacts: tuple[Path, ...] = ()) -> None:
-        """End the trackers' runs: ``finished`` (else stopped, to be resumed), with
-        ``artifacts`` (files) to keep."""
+    def close(self, outcome: str = "finished", artifacts: tuple[Path, ...] = ()) -> None:
+        """End the trackers' runs: ``outcome`` (`OUTCOMES`), with ``artifacts`` (files) to
+        keep. Later calls do nothing."""
         if self.enabled:
             self.status.close()
         if self.enabled and self.started:
-            self._each("close", finished, tuple(a for a in artifacts if a is not None))
+            self._each("close", outcome, tuple(a for a in artifacts if a is not None))
             self.trackers = [t for t in self.trackers if t.name == "jsonl"]  # history stays
             self.started = False
 

@@ -190,7 +190,7 @@ def finish(state: RunState, stopped: bool = False) -> None:
         vals = [h["val/score"] for h in history if "val/score" in h]
         rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
         plot = plot_reward_curve(history, state.log.dir / "reward_curve.png")
-        state.log.close(finished=not stopped, artifacts=(plot,))
+        state.log.close("stopped" if stopped else "finished", artifacts=(plot,))
         if vals and rewards:
             print(f"mcore-rl: {state.step} steps; validation score {vals[0]:.2f} -> {vals[-1]:.2f}; "
                   f"train reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; metrics "

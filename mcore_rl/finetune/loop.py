@@ -67,7 +67,7 @@ def after_step(run: FinetuneRun, metrics: dict[str, float], stop=None) -> None:
         saved = save(run)
     if stop is not None and run.step < cfg.train.steps and stop.should_stop(ctx):
         path = saved or save(run)
-        run.log.close(finished=False)
+        run.log.close("stopped")
         raise StopRequested(run.step, path)
 
 

@@ -45,11 +45,14 @@ class FinetuneTrain:
         from mcore_rl.errors import StopRequested
 
         run.step += 1
-        metrics = finetune_step(run)
         try:
+            metrics = finetune_step(run)
             after_step(run, metrics, self.stop)
         except StopRequested as req:
             self.stop.acknowledge(run.ctx, req.step)
+            raise
+        except BaseException:
+            run.log.close("failed")  # the trackers' runs end as failed; nothing else ends them
             raise
         return metrics
 

@@ -81,16 +81,19 @@ class Train:
 
         state = self.state
         arrived = time.perf_counter()
-        metrics = train_step(state, batch)
-        if metrics is None:  # pooled for dynamic sampling, or nothing fresh enough
-            return {}
-        if self.last_end is not None:
-            metrics["time/batch_interval"] = time.perf_counter() - self.last_end
-            metrics["time/trainer_idle_s"] = arrived - self.last_end  # waiting for the batch
         try:
+            metrics = train_step(state, batch)
+            if metrics is None:  # pooled for dynamic sampling, or nothing fresh enough
+                return {}
+            if self.last_end is not None:
+                metrics["time/batch_interval"] = time.perf_counter() - self.last_end
+                metrics["time/trainer_idle_s"] = arrived - self.last_end  # waiting for the batch
             after_step(state, metrics, stop=self.stop)
         except StopRequested as req:
             self.stop.acknowledge(state.ctx, req.step)
+            raise
+        except BaseException:
+            state.log.close("failed")  # the trackers' runs end as failed; nothing else ends them
             raise
         self.last_end = time.perf_counter()
         if state.dynamic is not None and state.step >= state.cfg.train.steps and state.is_controller:

@@ -4,6 +4,6 @@ registered in `TRACKERS`; `mcore_rl.metrics_log.MetricsLog` fans out to the run'
 
 Only this package imports ``wandb`` and ``mlflow``, and only when the backend is used."""
 from mcore_rl.tracking.backends import check_trackers, tracker_class
-from mcore_rl.tracking.base import TRACKERS, RunInfo, Tracker
+from mcore_rl.tracking.base import OUTCOMES, TRACKERS, RunInfo, Tracker
 
-__all__ = ["TRACKERS", "RunInfo", "Tracker", "check_trackers", "tracker_class"]
+__all__ = ["OUTCOMES", "TRACKERS", "RunInfo", "Tracker", "check_trackers", "tracker_class"]

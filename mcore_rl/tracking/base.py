@@ -14,6 +14,11 @@ TRACKERS: Registry[type["Tracker"]] = Registry("tracker")
 """``logging.backends`` names -> `Tracker` classes (``module:Class`` for one of your own)."""
 
 
+OUTCOMES = ("finished", "stopped", "failed")
+"""How a run's attempt ended: all its steps (or as many as its driver asked for), stopped on
+request to be resumed (a preemption), or failed."""
+
+
 @dataclass
 class RunInfo:
     """What a tracker knows of the run it records."""
@@ -33,8 +38,8 @@ class RunInfo:
 class Tracker:
     """One place metrics go. `start` is called once, before anything is logged, with the
     step the run resumes after (None: a fresh run); then `log` and `samples` per step;
-    `close` at the end (``finished``: the run ended, not stopped to be resumed), with the
-    run's artifacts (the reward-curve plot) to keep.
+    `close` at the end, with the run's ``outcome`` (`OUTCOMES`) and its artifacts (the
+    reward-curve plot) to keep.
 
     A tracker that keeps a run on a service records its id with ``remember`` and finds it
     again with ``recall`` on resume (``logging.dir``/trackers.json), so a resumed run
@@ -64,7 +69,7 @@ class Tracker:
     def samples(self, step: int, rows: list[dict]) -> None:
         pass
 
-    def close(self, finished: bool = True, artifacts: tuple[Path, ...] = ()) -> None:
+    def close(self, outcome: str = "finished", artifacts: tuple[Path, ...] = ()) -> None:
         pass
 
     # ----- run ids kept for resume --------------------------------------------------------

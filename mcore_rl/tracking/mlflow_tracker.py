@@ -23,6 +23,10 @@ SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databrick
 """What MLflow tracks to (its file store, ``file:``, is frozen: MLflow refuses new runs there)."""
 
 
+STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+"""MLflow's run status for each outcome of an attempt."""
+
+
 def tracking_uri_of(logging) -> str:
     uri = logging.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
     return uri or f"sqlite:///{Path(logging.dir).resolve() / 'mlflow.db'}"
@@ -125,11 +129,11 @@ class MlflowTracker(Tracker):
     def samples(self, step: int, rows: list[dict]) -> None:
         self.client.log_dict(self.run_id, rows, f"samples/step_{step:06d}.json")
 
-    def close(self, finished: bool = True, artifacts=()) -> None:
+    def close(self, outcome: str = "finished", artifacts=()) -> None:
         import yaml
 
         for path in artifacts:
             self.client.log_artifact(self.run_id, str(path))
         self.client.log_text(self.run_id, yaml.safe_dump(self.run.config, sort_keys=False),
                              "config.yaml")
-        self.client.set_terminated(self.run_id, "FINISHED" if finished else "KILLED")
+        self.client.set_terminated(self.run_id, STATUS[outcome])

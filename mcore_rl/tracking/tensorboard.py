@@ -31,7 +31,7 @@ class TensorBoardTracker(Tracker):
         self.writer.add_text("samples", "| reward | prompt | response |\n|---|---|---|\n"
                              + "\n".join(lines), step)
 
-    def close(self, finished: bool = True, artifacts=()) -> None:
+    def close(self, outcome: str = "finished", artifacts=()) -> None:
         self.writer.close()
 
 

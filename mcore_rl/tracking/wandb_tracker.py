@@ -73,12 +73,12 @@ class WandbTracker(Tracker):
         self.wb.log({"samples": wandb.Table(columns=columns,
                                             data=[[r[c] for c in columns] for r in rows])}, step=step)
 
-    def close(self, finished: bool = True, artifacts=()) -> None:
+    def close(self, outcome: str = "finished", artifacts=()) -> None:
         import wandb
 
         for path in artifacts:
             if path.suffix == ".png":
                 self.wb.log({path.stem: wandb.Image(str(path))})
-        if not finished:  # stopped to be resumed: W&B shows it preempted, not failed
+        if outcome == "stopped":  # to be resumed: W&B shows it preempted, not failed
             self.wb.mark_preempting()
-        self.wb.finish()
+        self.wb.finish(exit_code=1 if outcome == "failed" else 0)

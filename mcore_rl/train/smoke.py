@@ -107,7 +107,7 @@ class SmokeRun:
             from mcore_rl.errors import StopRequested
 
             path = saved or self.save()
-            self.metrics.close(finished=False)
+            self.metrics.close("stopped")
             raise StopRequested(step, path)
         return result.loss
 

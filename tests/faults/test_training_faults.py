@@ -66,14 +66,16 @@ def _steps(log_dir: Path) -> dict[int, dict]:
 
 
 def test_a_nan_gradient_stops_the_run_naming_the_step_and_no_checkpoint_holds_it(tmp_path):
+    trackers = "logging.backends=[jsonl,tests.tracking.user_trackers:RecordsOutcome]"
     result = shared_world(1).run(_train, BASE + ["train.steps=4", "checkpoint.save_every=1",
-                                                 f"logging.dir={tmp_path}"], 3)[0]
+                                                 f"logging.dir={tmp_path}", trackers], 3)[0]
     assert result[0] == "NonFiniteError", result
     assert result[1].startswith("step 3: the actor's loss or gradient is not finite"), result[1]
     assert "train.on_nonfinite=skip" in result[1]
     saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert saved == ["step_000001", "step_000002"], saved
     assert sorted(_steps(tmp_path)) == [1, 2]
+    assert (tmp_path / "outcome.txt").read_text() == "failed"  # the trackers' runs say so
 
 
 def test_a_nan_gradient_is_skipped_and_counted_when_configured(tmp_path):

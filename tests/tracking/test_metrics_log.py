@@ -27,7 +27,7 @@ def _attempt(directory, backends, resumed_after, steps, scale, *overrides, stop=
     for step in steps:
         log.log(step, {"reward/mean": scale * step, "loss": float("nan")}, console=False)
         log.samples(step, [{"prompt": f"p{step}", "response": "r|x", "reward": scale * step}])
-    log.close(finished=not stop)
+    log.close("stopped" if stop else "finished")
     return log
 
 

@@ -12,3 +12,11 @@ class FailsAtStep2(Tracker):
         if step == 2:
             raise ConnectionError("the tracking server went away\nsecond line")
         FailsAtStep2.seen.append(step)
+
+
+class RecordsOutcome(Tracker):
+    """Writes how the run's attempt ended (`mcore_rl.tracking.OUTCOMES`) to
+    ``logging.dir``/outcome.txt."""
+
+    def close(self, outcome="finished", artifacts=()):
+        (self.run.dir / "outcome.txt").write_text(outcome)
