@@ -29,16 +29,40 @@ RUN = ["rollout.engine=vllm", "train.warm_start_steps=0", "train.val_every=0",
        "logging.samples_every=0", "reshard.verify=false"]
 
 
+def _of_run(root_pid: int) -> list[psutil.Process]:
+    """The processes of a run started in a session of its own (``root_pid`` leads it):
+    its descendants, and whatever else is in its session (a process whose parent died is
+    no one's descendant any more)."""
+    procs = {p.pid: p for p in psutil.Process(root_pid).children(recursive=True)}
+    for p in psutil.process_iter():
+        try:
+            if p.pid != root_pid and os.getsid(p.pid) == root_pid:
+                procs.setdefault(p.pid, p)
+        except (psutil.Error, OSError):
+            pass
+    return list(procs.values())
+
+
 def engine_core_pids(root_pid: int) -> list[int]:
-    """Descendants of ``root_pid`` that are vLLM's engine core."""
+    """Processes of the run led by ``root_pid`` that are vLLM's engine core."""
     out = []
-    for proc in psutil.Process(root_pid).children(recursive=True):
+    for proc in _of_run(root_pid):
         try:
             if proc.cmdline()[:1] == ["VLLM::EngineCore"]:
                 out.append(proc.pid)
         except psutil.Error:
             pass
     return out
+
+
+def _names(root_pid: int) -> list[str]:
+    names = []
+    for p in _of_run(root_pid):
+        try:
+            names.append(" ".join(p.cmdline())[:80])
+        except psutil.Error:
+            pass
+    return names
 
 
 def test_a_generation_whose_engine_is_killed_fails_within_60s_naming_the_signal(tmp_path):
@@ -114,10 +138,11 @@ def test_an_engine_killed_before_a_weight_sync_ends_the_run_with_the_named_error
 
 
 def test_no_engine_process_outlives_a_killed_trainer(tmp_path):
+    output = tmp_path / "output.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/quickstart.yaml", *RUN,
          "train.steps=500", f"logging.dir={tmp_path}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+        stdout=output.open("w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:
         metrics = tmp_path / "metrics.jsonl"
         deadline = time.monotonic() + 240
@@ -130,7 +155,9 @@ def test_no_engine_process_outlives_a_killed_trainer(tmp_path):
             engine = [psutil.Process(p) for p in engine_core_pids(proc.pid)]
             time.sleep(0.2)
         engine += [c for p in engine for c in p.children(recursive=True)]
-        assert engine, "no engine process found"
+        state = "is running" if proc.poll() is None else f"exited with status {proc.returncode}"
+        assert engine, (f"no engine process found; the run {state}; its processes: "
+                        f"{_names(proc.pid)}; its output ends:\n{output.read_text()[-3000:]}")
     finally:
         proc.kill()
         proc.wait()
