@@ -73,19 +73,20 @@ class Tracker:
         pass
 
     # ----- run ids kept for resume --------------------------------------------------------
-    def recall(self) -> str | None:
+    def _ids(self) -> tuple[Path, dict[str, str]]:
+        """``logging.dir``/trackers.json and the run ids it holds, by tracker name."""
         import json
 
         path = self.run.dir / "trackers.json"
-        return json.loads(path.read_text()).get(self.name) if path.exists() else None
+        return path, json.loads(path.read_text()) if path.exists() else {}
+
+    def recall(self) -> str | None:
+        return self._ids()[1].get(self.name)
 
     def remember(self, run_id: str) -> None:
-        import json
-
         from mcore_rl.atomic_write import write_json_atomic
 
-        path = self.run.dir / "trackers.json"
-        ids = json.loads(path.read_text()) if path.exists() else {}
+        path, ids = self._ids()
         write_json_atomic(path, {**ids, self.name: run_id})
 
 

@@ -21,7 +21,7 @@ class JsonlTracker(Tracker):
         for path in (self.metrics_path, self.samples_path):
             if path.exists():
                 keep = [line for line in path.read_text().splitlines()
-                        if (_step(line) if line.strip() else last + 1) <= last]
+                        if line.strip() and _step(line) <= last]
                 path.write_text("".join(line + "\n" for line in keep))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

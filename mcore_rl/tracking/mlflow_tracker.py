@@ -29,7 +29,12 @@ STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
 def tracking_uri_of(logging) -> str:
     uri = logging.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-    return uri or f"sqlite:///{Path(logging.dir).resolve() / 'mlflow.db'}"
+    return uri or default_uri(logging)
+
+
+def default_uri(logging) -> str:
+    """The database file ``logging.dir``/mlflow.db."""
+    return f"sqlite:///{Path(logging.dir).resolve() / 'mlflow.db'}"
 
 
 def sqlite_path(uri: str) -> Path:
@@ -65,7 +70,7 @@ class MlflowTracker(Tracker):
         if scheme in ("file", ""):
             raise UsageError(f"logging.mlflow.tracking_uri={uri}: MLflow no longer takes new runs in "
                              "a directory (its file store); use a database file, e.g. "
-                             f"sqlite:///{Path(logging.dir).resolve() / 'mlflow.db'}, or a server")
+                             f"{default_uri(logging)}, or a server")
         if scheme not in SCHEMES:
             raise UsageError(f"logging.mlflow.tracking_uri={uri} has scheme {scheme!r}, which MLflow "
                              f"does not track to; use one of {', '.join(s + ':' for s in SCHEMES)}")
@@ -95,8 +100,8 @@ class MlflowTracker(Tracker):
 
         pylogging.getLogger("mlflow").setLevel(pylogging.WARNING)  # no INFO lines on the console
 
-        cfg = self.run.logging.mlflow
-        self.client = MlflowClient(tracking_uri_of(self.run.logging))
+        cfg, uri = self.run.logging.mlflow, tracking_uri_of(self.run.logging)
+        self.client = MlflowClient(uri)
         run_id = self.recall() if resumed_after is not None else None
         if run_id is not None:
             self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
@@ -106,7 +111,6 @@ class MlflowTracker(Tracker):
         if experiment is not None:
             experiment_id = experiment.experiment_id
         else:  # a database's artifacts beside it (MLflow would put them in ./mlruns)
-            uri = tracking_uri_of(self.run.logging)
             where = (sqlite_path(uri).parent / "mlartifacts").as_uri() \
                 if uri.startswith("sqlite:///") else None
             experiment_id = self.client.create_experiment(cfg.experiment, artifact_location=where)
