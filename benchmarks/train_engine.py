@@ -52,7 +52,7 @@ SMOLLM2 = ModelArch(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 """SmolLM2-135M's shape."""
 
 PACKING = {"full": dict(arch=SMOLLM2, sequences=32, prompt_len=(30, 80), response_p50=137,
-                        response_p90=256, response_max=256, micro_batch_tokens=2048, repeats=1),
+                        response_p90=256, response_max=256, micro_batch_tokens=2048, repeats=3),
            "quick": dict(arch=SIZES["quick"]["arch"], sequences=8, prompt_len=(4, 8),
                          response_p50=6, response_p90=12, response_max=12,
                          micro_batch_tokens=48, repeats=1)}
@@ -87,8 +87,14 @@ def padded_to_real(batch, budget: int) -> float:
     return sum(len(mb) * max(int(lens[i]) for i in mb) for mb in plan) / int(lens.sum())
 
 
-def _packing_rates(rank, world_size, size, packing: bool):
-    """Forward and train-step tokens/s at TP1 on the long-tailed batch, packed or padded."""
+def _packing_rates(rank, world_size, size):
+    """Forward and train-step tokens/s at TP1 on the long-tailed batch, padded and packed:
+    two engines from the same initial weights, timed in turns (padded, packed, padded, ...)
+    so that drift in the machine's speed falls on both sides alike. Medians over
+    ``repeats`` turns after one untimed turn. ``((fwd, step) padded, (fwd, step) packed)``."""
+    import statistics
+    import time
+
     from mcore_rl.config import OptimizerConfig
     from mcore_rl.models.gpt import build_gpt_chunks
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
@@ -97,11 +103,24 @@ def _packing_rates(rank, world_size, size, packing: bool):
     spec = PACKING[size]
     ctx = initialize_parallel(seed=1)
     optim = OptimizerConfig(lr=1e-5, micro_batch_tokens=spec["micro_batch_tokens"])
-    engine = build_engine(build_gpt_chunks(spec["arch"], ctx), ctx,
-                          vocab_size=spec["arch"].vocab_size, optim=optim, packing=packing)
-    rates = _timed_rates(engine, make_long_tail_batch(**spec), spec["repeats"])
+    engines = [build_engine(build_gpt_chunks(spec["arch"], ctx), ctx,
+                            vocab_size=spec["arch"].vocab_size, optim=optim, packing=packing)
+               for packing in (False, True)]
+    batch = make_long_tail_batch(**spec)
+    tokens = int(batch.seq_lens.sum())
+    times = [([], []) for _ in engines]  # per engine: forward, train step
+    for turn in range(spec["repeats"] + 1):
+        for engine, (fwd, step) in zip(engines, times):
+            t0 = time.perf_counter()
+            engine.forward(batch)
+            t1 = time.perf_counter()
+            engine.train_batch(batch, loss_fn)
+            t2 = time.perf_counter()
+            if turn:  # the first turn warms up
+                fwd.append(t1 - t0)
+                step.append(t2 - t1)
     destroy_parallel()
-    return rates
+    return tuple(tuple(tokens / statistics.median(t) for t in pair) for pair in times)
 
 
 def moe_arch(dense: ModelArch) -> ModelArch:
@@ -281,7 +300,6 @@ def main(argv: list[str] | None = None) -> int:
         results[f"forward_{name}"] = throughput_comparison(fwd, moe_fwd, "tokens/s")
         results[f"train_step_{name}"] = throughput_comparison(step, moe_step, "tokens/s")
     results |= _packing_results(size, args.threads)
-    results |= _packing_results(size, args.threads)
     out = {"benchmark": "train-engine", "size": size, "machine": machine_info(),
            "model": SIZES[size]["arch"].__dict__ | {}, "batch": SIZES[size]["batch"],
            "moe_model": {k: v for k, v in moe_arch(SIZES[size]["arch"]).__dict__.items()
@@ -306,10 +324,9 @@ def _packing_results(size: str, threads: int) -> dict:
     ratio = padded_to_real(make_long_tail_batch(**spec), spec["micro_batch_tokens"])
     results = {}
     with SharedWorld(1, threads_per_rank=threads) as world:
-        print("[train-engine] mcore-rl TP1, padded micro-batches (long-tailed batch)", flush=True)
-        padded = world.run(_packing_rates, size, False)[0]
-        print("[train-engine] mcore-rl TP1, packed micro-batches (long-tailed batch)", flush=True)
-        packed = world.run(_packing_rates, size, True)[0]
+        print("[train-engine] mcore-rl TP1, padded and packed micro-batches in turns "
+              "(long-tailed batch)", flush=True)
+        padded, packed = world.run(_packing_rates, size, timeout_s=3600)[0]
     for phase, ours, base in zip(("forward", "train_step"), packed, padded):
         row = throughput_comparison(ours, base, "tokens/s")
         row["padded_to_real"] = ratio

@@ -127,10 +127,17 @@ class SDPAttention(DotProductAttention):
         grouped = self.num_attention_heads_per_partition > self.num_query_groups_per_partition
         if self.cp_group is not None:
             return self._segments_context_parallel(query, key, value, bounds, masks, grouped)
+        # One split per tensor, not a slice per segment: a slice's backward writes its
+        # gradient into zeros the size of the whole tensor, so slicing would zero-fill every
+        # packed token once per segment; a split's backward is one concatenation.
+        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+            raise ValueError(f"packed segments cover positions {bounds[0]}..{bounds[-1]}, "
+                             f"not the {query.shape[0]} packed tokens")
         outs = []
-        for start, end, mask in zip(bounds[:-1], bounds[1:], masks):
+        for q, k, v, mask in zip(*(t.split(lengths) for t in (query, key, value)), masks):
             # [n, heads, d] -> [1, heads, n, d]
-            q, k, v = (t[start:end].permute(1, 0, 2)[None] for t in (query, key, value))
+            q, k, v = (t.permute(1, 0, 2)[None] for t in (q, k, v))
             if mask is None:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                      scale=self.softmax_scale, enable_gqa=grouped)
@@ -155,16 +162,15 @@ class SDPAttention(DotProductAttention):
         order = torch.cat([torch.cat([s + chunk_positions(e - s, cp, r) for s, e in spans])
                            for r in range(cp)])
         key, value = (gather_sequence(t, self.cp_group, order) for t in (key, value))
-        outs, at = [], 0
-        for start, end in spans:
-            n = (end - start) // cp
-            mine = chunk_positions(end - start, cp, rank, query.device)
+        lengths = [end - start for start, end in spans]
+        outs = []  # split, not sliced (see _segments)
+        for length, q, k, v in zip(lengths, query.split([n // cp for n in lengths]),
+                                   key.split(lengths), value.split(lengths)):
+            mine = chunk_positions(length, cp, rank, query.device)
             # [n, heads, d] -> [1, heads, n, d]
-            q = query[at:at + n].permute(1, 0, 2)[None]
-            k, v = (t[start:end].permute(1, 0, 2)[None] for t in (key, value))
+            q, k, v = (t.permute(1, 0, 2)[None] for t in (q, k, v))
             out = causal_attention(q, k, v, mine, self.softmax_scale, grouped)
             outs.append(out[0].permute(1, 0, 2))
-            at += n
         out = torch.cat(outs)
         return out.reshape(out.shape[0], self.hidden_size_per_partition)
 
