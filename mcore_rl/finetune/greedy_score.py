@@ -52,8 +52,11 @@ def build_score_state(cfg: RLConfig, ctx: ParallelContext, model_dir: Path, toke
 
     rollout = None
     if ctx.is_controller:
+        from mcore_rl.reshard.native import engine_options
+
         rollout = build_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype,
-                                       seed=cfg.train.seed, log_file=Path(cfg.logging.dir) / "engine.log")
+                                       seed=cfg.train.seed, log_file=Path(cfg.logging.dir) / "engine.log",
+                                       **engine_options(cfg.reshard))
     sync = WeightSync.from_config([getattr(c, "module", c) for c in model.model], arch, cfg.reshard,
                                   engines=[rollout] if rollout else None,
                                   controller=ctx.controller, group=ctx.world_group)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -38,6 +37,7 @@ from mcore_rl.parallel.agreement import (backend_device, barrier, broadcast_verd
                                          group_ranks, raise_if_any)
 from mcore_rl.reshard.plan import ReshardPlan
 from mcore_rl.reshard.sources import local_holdings, parameters, pointers
+from mcore_rl.reshard.sync_stats import SyncStats
 from mcore_rl.reshard.transports import Transport, TransportSetup, open_transport, ranks_beside
 from mcore_rl.reshard.writer import PieceWriter, default_writer_threads
 from mcore_rl.wire import WeightSyncError
@@ -47,40 +47,6 @@ from mcore_rl.wire import WeightSyncError
 BucketHook = Callable[[int, torch.Tensor, dict], None]
 
 __all__ = ["BucketHook", "SyncStats", "WeightSync", "local_holdings"]
-
-
-@dataclass
-class SyncStats:
-    """Timings of one sync, measured on the controller (seconds)."""
-
-    version: int
-    buckets: int
-    nbytes: int
-    transfer_s: float = 0.0
-    """Writers copying and checksumming their pieces, until the controller has all checksums
-    (summed over buckets)."""
-    apply_s: float = 0.0
-    """Engines checking and loading buckets and finishing the session (summed over buckets;
-    with ``overlap`` it overlaps the transfer of the next bucket)."""
-    total_s: float = 0.0
-    """Wall time of the whole sync."""
-    per_bucket_apply_s: list[float] = field(default_factory=list)
-    relayed_nbytes: int = 0
-    """Bytes that trainer ranks on other nodes sent to the controller (their pieces, or with
-    ``reshard.delta`` the changed words and their positions)."""
-    relayed_full_nbytes: int = 0
-    """What those ranks' pieces weigh in full."""
-    changed_fraction: float | None = None
-    """Of the words relayed as deltas, the fraction that changed (None: no delta sent)."""
-
-    @property
-    def sent_nbytes(self) -> int:
-        """Bytes that reached the engines' node: the local ranks' pieces and what was relayed."""
-        return self.nbytes - self.relayed_full_nbytes + self.relayed_nbytes
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.nbytes / self.total_s / 1e9 if self.total_s else 0.0
 
 
 class WeightSync:
@@ -150,7 +116,11 @@ class WeightSync:
         """From a `ReshardConfig` (``cfg.reshard``); ``controller``: the global rank that
         holds the engines, ``group``: the trainer's ranks."""
         from mcore_rl.models.gpt import DTYPES
+        from mcore_rl.reshard.native import NativeWeightSync, is_native
 
+        if is_native(cfg.transport):  # vLLM's own GPU backends move the bytes
+            return NativeWeightSync.from_config(chunks, arch, cfg, engines=engines,
+                                                controller=controller, group=group)
         return cls.build(chunks, arch, engines=engines, bucket_mb=cfg.bucket_mb,
                          wire_dtype=DTYPES.get(cfg.wire_dtype), shm_dir=cfg.shm_dir,
                          checksum=cfg.checksum, overlap=cfg.overlap,

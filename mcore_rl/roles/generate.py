@@ -57,6 +57,7 @@ class Generate:
         from mcore_rl.engines import build_rollout_engine
         from mcore_rl.engines.stale_shm import remove_stale_shared_memory
         from mcore_rl.flow import publish
+        from mcore_rl.reshard.native import engine_options
         from mcore_rl.rl import phases
         from mcore_rl.sizes import format_bytes
 
@@ -71,7 +72,7 @@ class Generate:
         self.engine = build_rollout_engine(
             self.cfg.rollout, model_dir, dtype=self.cfg.model.dtype, seed=self.cfg.train.seed,
             log_file=log_dir / f"{name.replace('/', '_')}.log",
-            max_model_len=phases.context_length(self.cfg))
+            max_model_len=phases.context_length(self.cfg), **engine_options(self.cfg.reshard))
         self.lock = publish(name, self.engine)
         self.calls = 0
 

@@ -60,6 +60,7 @@ def check_combination(cfg: RLConfig, driver: str = "train") -> None:
     job, t, r = cfg.train.job, cfg.train, cfg.rollout
     if t.offload:
         _check_offload(cfg)
+    _check_transport(cfg)
     if driver == "api" and job not in API_JOBS:
         raise UsageError(f"RLTrainer runs train.job {', '.join(API_JOBS)}, not {job!r}; run it "
                          "with mcore-rl train")
@@ -92,6 +93,25 @@ def check_combination(cfg: RLConfig, driver: str = "train") -> None:
         raise ConfigError("train.schedule=one_step_off trains on rollouts one weight version "
                           f"old, but train.max_staleness={t.max_staleness} allows none; set "
                           "train.max_staleness=1 (or more)")
+
+
+def _check_transport(cfg: RLConfig) -> None:
+    """vLLM's GPU weight-transfer backends (`mcore_rl.reshard.native`) where they can run."""
+    import torch
+
+    from mcore_rl.reshard.native import is_native, transport_problem
+
+    rs = cfg.reshard
+    cuda = torch.cuda.is_available() or bool(cfg.launch.gpus_per_node)
+    problem = transport_problem(rs.transport, cuda, cfg.rollout.engine)
+    if problem is not None:
+        raise ConfigError(problem)
+    if rs.transport == "sparse_nccl" and not rs.delta:
+        raise ConfigError("reshard.transport=sparse_nccl sends only what changed since the last "
+                          "sync: set reshard.delta=true (or reshard.transport=nccl for full syncs)")
+    if rs.delta and is_native(rs.transport) and rs.transport != "sparse_nccl":
+        raise ConfigError(f"reshard.delta=true through vLLM's backends is sparse_nccl's work, not "
+                          f"{rs.transport}'s: set reshard.transport=sparse_nccl, or reshard.delta=false")
 
 
 def _check_offload(cfg: RLConfig) -> None:

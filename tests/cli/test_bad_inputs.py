@@ -171,6 +171,17 @@ CASES = [
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true splits each sequence over "
                                           "the tensor-parallel ranks, and parallel.tp=1 has one",
      "set parallel.tp >= 2"),
+    (["reshard.transport=nccl"], "reshard.transport=nccl is vLLM's GPU backend (it needs CUDA)",
+     "use reshard.transport=auto"),
+    (["reshard.transport=nccl_m2n"], "vLLM's nccl_m2n backend is not supported",
+     "use reshard.transport=nccl"),
+    (["reshard.transport=ipc", "rollout.engine=hf"], "rollout.engine=hf does not speak it",
+     "use reshard.transport=auto"),
+    (["reshard.transport=sparse_nccl", "launch.gpus_per_node=1"],
+     "reshard.transport=sparse_nccl sends only what changed", "set reshard.delta=true"),
+    (["reshard.transport=nccl", "reshard.delta=true", "launch.gpus_per_node=1"],
+     "reshard.delta=true through vLLM's backends is sparse_nccl's work",
+     "set reshard.transport=sparse_nccl"),
     (["train.offload=true"], "train.offload=true moves the trainer's state from GPU memory to host "
                              "memory", "set train.offload=false"),
     (["train.offload=true", "launch.gpus_per_node=1", "optimizer.distributed=true"],

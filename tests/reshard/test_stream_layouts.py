@@ -551,3 +551,187 @@ def test_a_rank_failing_inside_the_weight_source_fails_every_rank_without_a_hang
     messages = {p for r in results for p in r["passes"]}
     assert len(messages) == 1, messages
     assert "rank 2 writing bucket 1" in messages.pop()
+
+
+# ----- vLLM's GPU backends (mcore_rl.reshard.native), checked on CPU -----------------------------
+def _stub_trainer():
+    """A trainer-side engine registered in vLLM's factory that drives the protocol as vLLM's
+    full-resync backends do (every rank iterates the source; the sender calls the client and
+    'sends' the tensors by handing them to the engine as update info), or takes patches."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from vllm.distributed.weight_transfer import (TrainerWeightTransferEngine,
+                                                  WeightTransferTrainerFactory)
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo
+
+    if "mcore_rl_test_stub" in WeightTransferTrainerFactory._registry:
+        return WeightTransferTrainerFactory._registry["mcore_rl_test_stub"]()
+
+    @dataclass
+    class StubInit(TrainerInitInfo):
+        backend: ClassVar[str] = "mcore_rl_test_stub"
+        engine_ranks: int = 1
+
+    class StubTrainer(TrainerWeightTransferEngine):
+        init_info_cls = StubInit
+
+        @classmethod
+        def trainer_init(cls, init_info, *, client, source=None):
+            engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+            if engine.is_sender:
+                client.init_weight_transfer_engine({"engine_ranks": init_info.engine_ranks})
+            return engine
+
+        def send_weights(self, patches=None):
+            pairs = list(self.source) if self.source is not None else None
+            if not self.is_sender:
+                return
+            self.client.start_weight_update()
+            if pairs is not None:
+                self.client.update_weights({"tensors": pairs})
+            else:
+                self.client.update_weights({"patches": patches})
+            self.client.finish_weight_update()
+
+    WeightTransferTrainerFactory.register_engine("mcore_rl_test_stub", StubTrainer)
+    StubTrainer.init_cls = StubInit
+    return StubTrainer
+
+
+class _ProtocolEngine:
+    """The engine's side of the protocol: keeps what arrives, applying patches in place."""
+
+    tp = 2
+
+    def __init__(self):
+        self.calls, self.weights, self.version = [], {}, None
+
+    def transfer(self, step, payload=None):
+        self.calls.append(step)
+        if step == "ranks":
+            return self.tp
+        if step == "update" and "tensors" in payload:
+            self.weights = {n: t.clone() for n, t in payload["tensors"]}
+        elif step == "update":
+            for p in payload["patches"]:
+                flat = self.weights.setdefault(p.name, torch.zeros(p.full_shape)).view(-1)
+                flat[p.indices.long()] = p.values
+        elif step == "finish":
+            self.version = payload
+
+
+def _native(rank, world_size, layout, hf_dir, transport, steps):
+    """NativeWeightSync at ``layout`` into two protocol engines through the stub trainer:
+    per sync, what each engine holds and its calls; between syncs one parameter changes."""
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.native import NativeWeightSync
+    from mcore_rl.reshard.sources import local_holdings
+
+    stub = _stub_trainer()
+    ctx = initialize_parallel(tp=layout[0], pp=layout[1])
+    try:
+        built = build_model(hf_dir, ctx)
+        import torch.distributed as dist
+
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, local_holdings(built.chunks, rank)[0])
+        plan = ReshardPlan.build([h for hs in everyone for h in hs], built.spec.arch, 2**16)
+        engines = [_ProtocolEngine(), _ProtocolEngine()] if rank == 0 else []
+        sync = NativeWeightSync(
+            built.chunks, plan, transport, engines=engines, full_every=3,
+            init_info=lambda backend, r, n: stub.init_cls(rank=r, engine_ranks=n))
+        out = []
+        for version in range(1, steps + 1):
+            stats = sync.sync(version)
+            out.append({"weights": [{n: t.clone() for n, t in e.weights.items()} for e in engines],
+                        "versions": [e.version for e in engines],
+                        "changed_fraction": stats.changed_fraction,
+                        "sent": stats.sent_nbytes, "full": stats.nbytes})
+            if rank == 0:  # the trainer 'steps': one element of its first parameter
+                with torch.no_grad():
+                    next(p for c in built.chunks for p in c.parameters()).view(-1)[0] += 1.0
+        out.append([e.calls for e in engines])
+        sync.close()
+        return out
+    finally:
+        destroy_parallel()
+
+
+def test_vllm_backends_sync_sends_the_checkpoint_once_per_engine_with_its_version(world, models):
+    hf_dir, _, expected = models["qwen2-tied"]
+    results = world.run(_native, LAYOUTS["TP2xPP2"][:2], hf_dir, "nccl", 1)
+    first, calls = results[0][0], results[0][-1]
+    assert first["versions"] == [1, 1]
+    assert first["sent"] == first["full"] > 0  # every tensor, to each engine
+    for held in first["weights"]:  # every engine, the checkpoint exactly, in vLLM's order
+        assert sorted(held) == sorted(expected)
+        assert all(torch.equal(held[n], t) for n, t in expected.items())
+    assert calls == [["ranks", "init", "start", "update", "finish"]] * 2
+    assert all(r[-1] == [] for r in results[1:])  # only the controller calls the engines
+
+
+def test_sparse_patches_rebuild_the_weights_and_send_only_what_changed(world, models):
+    hf_dir, _, expected = models["qwen2-tied"]
+    results = world.run(_native, LAYOUTS["TP2xPP2"][:2], hf_dir, "sparse_nccl", 4)
+    syncs = results[0][:-1]
+    total = sum(t.numel() for t in expected.values())
+    assert syncs[0]["changed_fraction"] == 1.0  # the first sync is full
+    for s in syncs[1:3]:  # one element changed: one patched element per engine
+        assert s["changed_fraction"] == pytest.approx(1 / total)
+    assert syncs[3]["changed_fraction"] == 1.0  # every full_every-th (3rd) sync is full again
+    bumped = None
+    for k, s in enumerate(syncs):
+        for held in s["weights"]:
+            diff = [n for n in expected if not torch.equal(held[n], expected[n])]
+            if k == 0:
+                assert diff == []
+            else:  # the engine holds the trainer's weights: one element moved by k
+                assert len(diff) == 1
+                bumped = bumped or diff[0]
+                assert diff == [bumped]
+                assert held[bumped].view(-1)[0] == expected[bumped].view(-1)[0] + k
+    assert syncs[-1]["versions"] == [4, 4]
+    # bytes: every element with its int32 index when full, one element's when not
+    assert syncs[0]["sent"] == syncs[0]["full"] * 2  # fp32 values + int32 indices
+    assert syncs[1]["sent"] == 2 * (4 + 4)  # one element per engine
+
+
+def _gathered_source(rank, world_size, layout, hf_dir, everyone):
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.native import gathered_source
+    from mcore_rl.reshard.sources import local_holdings
+
+    ctx = initialize_parallel(tp=layout[0], pp=layout[1])
+    try:
+        built = build_model(hf_dir, ctx)
+        import torch.distributed as dist
+
+        all_holdings = [None] * world_size
+        dist.all_gather_object(all_holdings, local_holdings(built.chunks, rank)[0])
+        plan = ReshardPlan.build([h for hs in all_holdings for h in hs], built.spec.arch, 2**16)
+        source = gathered_source(plan, lambda: local_holdings(built.chunks, rank)[1], rank, 0,
+                                 everyone=everyone)
+        names = [m.name for m in source.metadata()]
+        got = {n: t for names_, ts in source.iter_groups() for n, t in zip(names_, ts)}
+        return {"ordered": names == [n for g in layerwise_groups(names) for n in g],
+                "got": got}
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("everyone", [False, True], ids=["to-sender", "everyone"])
+def test_the_gathered_source_yields_the_checkpoint_in_vllms_order(world, models, everyone):
+    hf_dir, _, expected = models["llama-untied"]
+    results = world.run(_gathered_source, LAYOUTS["TP2xPP2"][:2], hf_dir, everyone)
+    for rank, r in enumerate(results):
+        assert r["ordered"]
+        assert sorted(r["got"]) == sorted(expected)
+        if rank == 0 or everyone:
+            assert all(torch.equal(r["got"][n], t) for n, t in expected.items())
+        else:
+            assert set(r["got"].values()) == {None}
