@@ -136,6 +136,8 @@ class VLLMEngine(RolloutEngine):
         hosted = cpu and tp == 1 and not in_process
         env: dict[str, str | None] = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process or hosted else "1"}
+        if weight_transfer == "ipc":  # its workers unpickle the CUDA IPC handles
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = None  # the size is ours (kv_cache_memory_bytes)
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind or plan_cpu_placement(placement, tp).omp_bind
@@ -403,16 +405,21 @@ class VLLMEngine(RolloutEngine):
     def transfer(self, step: str, payload=None):
         """One call of vLLM's weight-transfer protocol from a trainer-side engine of vLLM's
         GPU backends (`mcore_rl.reshard.native.EngineClient`): ``ranks`` (how many workers
-        receive), ``init``, ``start``, ``update`` or ``finish`` with the version, which this
-        engine then serves (prefix cache reset)."""
+        receive), ``check`` (ready to receive: weights awake, engine alive), ``init``,
+        ``start``, ``update``, ``finish`` with the version, which this engine then serves
+        (prefix cache reset), ``abort`` with the reason (the engine refuses to generate until
+        a sync finishes) or ``shutdown``."""
         if step == "ranks":
             return self.tp
         if self.weight_transfer is None:
             raise WeightSyncError("this engine receives weights through mcore-rl's own backend; "
                                   "start it with weight_transfer set to drive vLLM's")
-        if step == "start":
+        if step == "check":
             self._check_weights_awake()
-            self._torn = "a weight update through vLLM's backend did not finish"
+            self.check_alive("the weight sync")
+            return None
+        if step == "abort":
+            self.weight_version, self._torn = None, str(payload)
         self._call(f"a weight update ({step})", vllm_host.protocol_step, step, payload)
         if step == "finish":
             self.weight_version, self._torn = int(payload), None

@@ -128,7 +128,8 @@ def weight_update(llm, start: bool, manifests: list[dict],
 def protocol_step(llm, step: str, payload) -> None:
     """One call of vLLM's weight-transfer protocol as its own GPU backends drive it
     (`mcore_rl.reshard.native`): ``init`` (the backend's init info), ``start``, ``update``
-    (one round's update info) or ``finish`` (and ``payload``, the version, recorded)."""
+    (one round's update info), ``finish`` (and ``payload``, the version, recorded), ``abort``
+    (a failed sync: the session and the backend ended) or ``shutdown``."""
     if step == "init":
         llm.init_weight_transfer_engine({"init_info": payload})
     elif step == "start":
@@ -138,6 +139,14 @@ def protocol_step(llm, step: str, payload) -> None:
     elif step == "finish":
         llm.finish_weight_update()
         llm.update_weight_version(str(payload))
+    elif step == "abort":  # end whatever session is open; the backend is rebuilt next
+        for end in (llm.finish_weight_update, llm.shutdown_weight_transfer_engine):
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - nothing was open, or the group is gone
+                pass
+    elif step == "shutdown":
+        llm.shutdown_weight_transfer_engine()
     else:
         raise ValueError(f"unknown weight-transfer step {step!r}")
 

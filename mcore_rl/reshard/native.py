@@ -92,18 +92,33 @@ def gathered_source(plan: ReshardPlan, views: Callable[[], dict], rank: int, sen
     tensors = [t for b in plan.buckets for t in b.tensors]
 
     class GatheredSource(WeightSource):
+        """``position``: how many tensors this rank's current pass has gathered; `drain`
+        gathers the rest of a pass that its consumer gave up, so that the other ranks,
+        which go on, are not left waiting."""
+
+        position = len(tensors)
+
         def metadata(self) -> list:
             return [ParamMeta(t.hf_name, plan.wire_dtype, tuple(t.shape)) for t in tensors]
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+            self.position = 0
+            return self.gather(tensors)
+
+        def gather(self, some) -> Iterator[tuple[str, torch.Tensor | None]]:
             held = views()
-            for t in tensors:
+            for t in some:
                 full = gather_tensor(t, held, rank, sender, plan.wire_dtype, group, device)
                 if everyone:
                     if full is None:
                         full = torch.empty(t.shape, dtype=plan.wire_dtype, device=device)
                     dist.broadcast(full, src=sender, group=group)
+                self.position += 1
                 yield t.hf_name, full
+
+        def drain(self) -> None:
+            for _ in self.gather(tensors[self.position:]):
+                pass
 
     return GatheredSource()
 
@@ -135,6 +150,9 @@ class PatchBaseline:
         becomes the new baseline."""
         for name, tensor in pairs:
             flat = tensor.reshape(-1)
+            if flat.numel() >= 2**31:
+                raise ValueError(f"{name} has {flat.numel()} elements, more than the int32 "
+                                 "indices of a sparse patch address")
             before = self.sent.get(name)
             if full or before is None or before.shape != flat.shape:
                 idx = torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
@@ -153,22 +171,39 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 # ----- the engine's side, seen from the trainer ------------------------------------------------
 class EngineClient:
     """vLLM's ``VLLMWeightSyncClient`` over one of mcore-rl's engines (the object, or the
-    proxy of an engine in another process): each call is one `VLLMEngine.transfer` call."""
+    proxy of an engine in another process): each call is one `VLLMEngine.transfer` call.
+    CUDA IPC handles travel pickled (``ipc_handles_pickled``): vLLM's message encoder to its
+    engine process takes no tensor classes or dtypes."""
 
-    def __init__(self, engine, version: Callable[[], int]):
-        self.engine, self.version = engine, version
+    def __init__(self, engine, version: Callable[[], int], transport: str = "nccl"):
+        self.engine, self.version, self.transport = engine, version, transport
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.engine.transfer("init", init_info)
 
     def start_weight_update(self) -> None:
-        self.engine.transfer("start", None)
+        self.engine.transfer("start")
 
     def update_weights(self, update_info) -> None:
-        self.engine.transfer("update", update_info)
+        self.engine.transfer("update", _encodable(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.engine.transfer("finish", self.version())
+
+
+def _encodable(update_info):
+    """``update_info`` with CUDA IPC handles pickled and base64-coded, as vLLM's workers
+    read them (with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, set for an ipc engine)."""
+    if isinstance(update_info, list):
+        return [_encodable(u) for u in update_info]
+    if not isinstance(update_info, dict) or update_info.get("ipc_handles") is None:
+        return update_info
+    import base64
+    import pickle
+
+    out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
+    out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(update_info["ipc_handles"])).decode()
+    return out
 
 
 def trainer_init_info(backend: str, rank: int, *, address: str | None = None,
@@ -180,8 +215,8 @@ def trainer_init_info(backend: str, rank: int, *, address: str | None = None,
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
     from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLTrainerInitInfo
 
-    if backend == "ipc":
-        return IPCTrainerInitInfo(rank=rank)
+    if backend == "ipc":  # packed: GPU memory bounded by the buffer, not the model
+        return IPCTrainerInitInfo(rank=rank, packed=True)
     cls = {"nccl": NCCLTrainerInitInfo, "sparse_nccl": SparseNCCLTrainerInitInfo}[backend]
     return cls(master_address=address, master_port=port, world_size=1 + engine_ranks, rank=rank)
 
@@ -191,22 +226,25 @@ class NativeWeightSync:
     engine per rollout engine, built collectively on every trainer rank; `sync` sends the
     current weights to every engine as a version. ``init_info(backend, rank, engine_ranks)``
     gives each trainer engine its init info (default: `trainer_init_info` with a free port
-    on the controller)."""
+    on the controller).
+
+    Failures: every rank learns of a failure on any rank (one verdict per engine, after its
+    send; a controller that gave up its pass gathers the rest of it first, so nobody waits),
+    raises `WeightSyncError`, and the engines' sessions are ended; the trainer-side engines
+    are then rebuilt (an NCCL group is unusable after a failed transfer) and the next sync
+    is full."""
 
     def __init__(self, chunks: list, plan: ReshardPlan, transport: str, *, engines: list,
                  controller: int = 0, group=None, full_every: int = 10,
                  device: torch.device | str | None = None,
                  init_info: Callable[..., Any] | None = None):
-        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-
-        from mcore_rl.parallel.agreement import broadcast
         from mcore_rl.reshard.sources import local_holdings
 
         self.chunks, self.plan, self.transport = chunks, plan, transport
         self.rank = dist.get_rank()
         self.controller, self.group = controller, group
-        is_controller = self.rank == controller
-        self.engines = list(engines) if is_controller else []
+        self.is_controller = self.rank == controller
+        self.engines = list(engines) if self.is_controller else []
         self.drop_dead_engines = False
         self.dropped: list[str] = []
         self.full_every = full_every
@@ -217,20 +255,40 @@ class NativeWeightSync:
         views = lambda: local_holdings(self.chunks, self.rank)[1]  # noqa: E731
         self.source = gathered_source(plan, views, self.rank, controller, group, device,
                                       everyone=transport == "ipc")
-        self._baselines: list[PatchBaseline] = []
-        sizes = broadcast([e.transfer("ranks", None) for e in self.engines], controller, group)
-        init_info = init_info or self._default_init_info
+        self.baseline = PatchBaseline()
+        """sparse_nccl: the last-sent tensors, one copy for every engine (each sync sends
+        the same patches to all of them)."""
+        self._init_info = init_info or self._default_init_info
+        self.trainers: list | None = None
+        self._init_trainers()
+
+    def _init_trainers(self) -> None:
+        """One trainer-side engine per rollout engine (collective)."""
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from mcore_rl.parallel.agreement import broadcast
+
+        sizes = broadcast([e.transfer("ranks") for e in self.engines], self.controller, self.group)
         # vLLM's trainer rank: 0 sends (the controller); every other trainer rank is nonzero
-        vllm_rank = 0 if is_controller else 1 + self.rank
-        self.trainers = []
+        vllm_rank = 0 if self.is_controller else 1 + self.rank
+        trainers, error = [], None
         for k, engine_ranks in enumerate(sizes):
-            info = init_info(transport, vllm_rank, engine_ranks)
-            client = EngineClient(self.engines[k], lambda: self._version) if is_controller \
-                else _NoClient()
-            source = None if transport == "sparse_nccl" else self.source
-            self.trainers.append(WeightTransferTrainerFactory.trainer_init(
-                info, client=client, source=source))
-            self._baselines.append(PatchBaseline())
+            info = self._init_info(self.transport, vllm_rank, engine_ranks)
+            try:
+                if error is None:
+                    client = EngineClient(self.engines[k], lambda: self._version,
+                                          self.transport) if self.is_controller else _NoClient()
+                    source = None if self.transport == "sparse_nccl" else self.source
+                    trainers.append(WeightTransferTrainerFactory.trainer_init(
+                        info, client=client, source=source))
+            except Exception as err:  # noqa: BLE001 - agreed on below
+                error = f"starting vLLM's {self.transport} backend for engine {k + 1}: {err}"
+        error = self._agree(error)
+        if error is not None:
+            for trainer in trainers:
+                trainer.shutdown()
+            raise WeightSyncError(error)
+        self.trainers = trainers
 
     @classmethod
     def from_config(cls, chunks: list, arch, cfg, *, engines: list | None = None,
@@ -252,7 +310,7 @@ class NativeWeightSync:
         from mcore_rl.parallel.ports import free_port
 
         where = None
-        if self.rank == self.controller and backend != "ipc":
+        if self.is_controller and backend != "ipc":
             from vllm.utils.network_utils import get_ip
 
             where = (get_ip(), free_port())
@@ -261,39 +319,34 @@ class NativeWeightSync:
         return trainer_init_info(backend, rank, address=address, port=port,
                                  engine_ranks=engine_ranks)
 
+    def _agree(self, error: str | None) -> str | None:
+        """The first rank's error (in group order), on every rank; None if none failed."""
+        from mcore_rl.parallel.agreement import all_gather
+
+        return next((e for e in all_gather(error, self.group) if e is not None), None)
+
     def call_engines(self, call) -> None:
         """``call(engine)`` for every engine, in order."""
         for engine in list(self.engines):
             call(engine)
 
     @torch.no_grad()
-    def sync(self, version: int, *, bucket_hook=None, wake: bool = False):
+    def sync(self, version: int, *, bucket_hook=None, wake: bool = False) -> SyncStats:
         """Send the current weights to every engine as ``version`` (collective). ``wake``:
         each engine's weights wake before and its KV cache after (colocated)."""
+        if self.trainers is None:  # rebuilt after a failure
+            self._init_trainers()
         self._version = version
         stats = SyncStats(version, 0, self.plan.total_nbytes)
-        full = self._syncs % self.full_every == 0
         start = time.perf_counter()
-        sent = changed = 0
-        try:
-            for k, trainer in enumerate(self.trainers):
-                if wake and self.rank == self.controller:
-                    self.engines[k].wake_weights()
-                if self.transport == "sparse_nccl":
-                    patches = list(self._baselines[k].patches(self._pairs(), full))
-                    trainer.send_weights(_vllm_patches(patches) if self.rank == self.controller else None)
-                    sent += sum(p.indices.numel() * 4 + p.values.numel() * p.values.element_size()
-                                for p in patches)
-                    changed += sum(p.indices.numel() for p in patches)
-                else:
-                    trainer.send_weights()
-                    sent += self.plan.total_nbytes
-                if wake and self.rank == self.controller:
-                    self.engines[k].wake_kv_cache()
-        except Exception as err:
-            for baseline in self._baselines:
-                baseline.forget()
-            raise WeightSyncError(f"weight sync through vLLM's {self.transport} backend: {err}") from err
+        error = self._agree(self._preflight(wake))
+        if error is None:
+            if self.transport == "sparse_nccl":
+                error, sent, changed = self._send_patches(wake)
+            else:
+                error, sent = self._send_full(wake)
+        if error is not None:
+            self._fail(error)
         self._syncs += 1
         stats.total_s = stats.transfer_s = time.perf_counter() - start
         # every byte crosses from the trainer's GPUs to the engines': sent_nbytes is `sent`
@@ -301,20 +354,103 @@ class NativeWeightSync:
         stats.relayed_nbytes = sent
         if self.transport == "sparse_nccl":
             elements = sum(math.prod(t.shape) for b in self.plan.buckets for t in b.tensors)
-            stats.changed_fraction = changed / max(elements * len(self.trainers), 1)
+            stats.changed_fraction = changed / max(elements, 1)
         return stats
 
-    def _pairs(self):
-        """The sender's (name, tensor) pairs of one pass; the other ranks take part in the
-        gathers and get none."""
-        for name, tensor in self.source:
-            if tensor is not None:
-                yield name, tensor
+    def _preflight(self, wake: bool) -> str | None:
+        """The controller's engines, ready to receive (woken, alive); why not, or None."""
+        if not self.is_controller:
+            return None
+        try:
+            for engine in self.engines:
+                if wake:
+                    engine.wake_weights()
+                engine.transfer("check")
+        except Exception as err:  # noqa: BLE001 - agreed on by the caller
+            return f"weight sync through vLLM's {self.transport} backend: {err}"
+        return None
+
+    def _send_full(self, wake: bool) -> tuple[str | None, int]:
+        """Every tensor to each engine in turn, vLLM's trainer driving the pass."""
+        sent = 0
+        for k, trainer in enumerate(self.trainers):
+            error = None
+            try:
+                trainer.send_weights()
+                if wake and self.is_controller:
+                    self.engines[k].wake_kv_cache()
+            except Exception as err:  # noqa: BLE001 - agreed on below
+                error = f"weight sync through vLLM's {self.transport} backend, engine {k + 1}: {err}"
+                self.source.drain()
+            error = self._agree(error)
+            if error is not None:
+                return error, sent
+            sent += self.plan.total_nbytes
+        return None, sent
+
+    def _send_patches(self, wake: bool) -> tuple[str | None, int, int]:
+        """sparse_nccl: bucket by bucket, the changed elements of its tensors, the same patches
+        to every engine within one weight update each; every rank gathers every bucket, so a
+        failure on the controller stops the sending only."""
+        full = self._syncs % self.full_every == 0 or not self.baseline.sent
+        error, sent, changed = None, 0, 0
+
+        def attempt(what, fn):
+            nonlocal error
+            if error is None:
+                try:
+                    fn()
+                except Exception as err:  # noqa: BLE001 - agreed on below
+                    error = f"weight sync through vLLM's sparse_nccl backend ({what}): {err}"
+
+        clients = [t.client for t in self.trainers] if self.is_controller else []
+        for client in clients:
+            attempt("start", client.start_weight_update)
+        for bucket in self.plan.buckets:
+            pairs = [(n, t) for n, t in self.source.gather(bucket.tensors) if t is not None]
+            if not self.is_controller:
+                continue
+            patches = [p for p in self.baseline.patches(pairs, full) if p.indices.numel()]
+            if not patches:
+                continue
+            chunk = _vllm_patches(patches)
+            for trainer in self.trainers:
+                attempt("send", lambda: trainer.send_weight_chunk(chunk))
+            per_engine = sum(p.indices.numel() * 4 + p.values.numel() * p.values.element_size()
+                             for p in patches)
+            sent += per_engine * len(self.trainers)
+            changed += sum(p.indices.numel() for p in patches)
+        for k, client in enumerate(clients):
+            attempt("finish", client.finish_weight_update)
+            if wake:
+                attempt("wake", self.engines[k].wake_kv_cache)
+        if self.is_controller and torch.cuda.is_available():  # the broadcasts landed
+            attempt("landed", torch.cuda.current_stream().synchronize)
+        return self._agree(error), sent, changed
+
+    def _fail(self, error: str) -> None:
+        """After a failed sync (every rank): end the engines' sessions, drop the trainer-side
+        engines and the sparse baseline (the next sync rebuilds them and is full), raise."""
+        self.baseline.forget()
+        for k, engine in enumerate(self.engines):
+            try:
+                engine.transfer("abort", error)
+            except Exception:  # noqa: BLE001 - the engine already refuses to generate
+                pass
+        for trainer in self.trainers or []:
+            try:
+                trainer.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        self.trainers = None
+        raise WeightSyncError(error)
 
     def close(self) -> None:
-        for trainer in self.trainers:
+        for trainer in self.trainers or []:
             trainer.shutdown()
-        self.trainers = []
+        for engine in self.engines:
+            engine.transfer("shutdown")
+        self.trainers = None
 
 
 def _vllm_patches(patches: list[Patch]) -> list:

@@ -19,10 +19,12 @@ from mcore_rl.rewards import REWARDS
 def named_variants(cfg: RLConfig) -> list[tuple[str, str, Registry]]:
     """(config field, the name it holds, the registry it names an entry of)."""
     from mcore_rl.envs import ENVIRONMENTS
+    from mcore_rl.reshard.native import is_native
     from mcore_rl.reshard.transports import TRANSPORTS
 
-    transport = [] if cfg.reshard.transport == "auto" else [
-        ("reshard.transport", cfg.reshard.transport, TRANSPORTS)]
+    # vLLM's own backends are vLLM's names (checked with the placement, roles.rules)
+    own = cfg.reshard.transport != "auto" and not is_native(cfg.reshard.transport)
+    transport = [("reshard.transport", cfg.reshard.transport, TRANSPORTS)] if own else []
     return transport + [
         ("rollout.engine", cfg.rollout.engine, ENGINES),
         ("data.source", cfg.data.source, PROMPT_SOURCES),

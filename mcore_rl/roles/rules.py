@@ -112,6 +112,22 @@ def _check_transport(cfg: RLConfig) -> None:
     if rs.delta and is_native(rs.transport) and rs.transport != "sparse_nccl":
         raise ConfigError(f"reshard.delta=true through vLLM's backends is sparse_nccl's work, not "
                           f"{rs.transport}'s: set reshard.transport=sparse_nccl, or reshard.delta=false")
+    if not is_native(rs.transport):
+        return
+    placement = cfg.rollout.placement
+    if rs.transport == "ipc" and placement == "separate":
+        raise ConfigError("reshard.transport=ipc shares each tensor from the trainer's GPU with the "
+                          "engine worker on the same GPU, and rollout.placement=separate puts none "
+                          "there: set rollout.placement=colocated, or reshard.transport=nccl")
+    if rs.transport != "ipc" and placement != "separate":
+        raise ConfigError(f"reshard.transport={rs.transport} joins the trainer's sending rank and the "
+                          f"engine's workers in one NCCL group, one rank per GPU, and rollout."
+                          f"placement={placement} puts them on the same GPUs: set "
+                          "rollout.placement=separate, or reshard.transport=ipc")
+    if cfg.rollout.on_replica_failure == "continue":
+        raise ConfigError(f"rollout.on_replica_failure=continue drops a dead replica from the weight "
+                          f"sync, which reshard.transport={rs.transport} does not do yet: set "
+                          "rollout.on_replica_failure=stop, or reshard.transport=auto")
 
 
 def _check_offload(cfg: RLConfig) -> None:

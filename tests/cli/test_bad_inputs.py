@@ -179,6 +179,11 @@ CASES = [
      "use reshard.transport=auto"),
     (["reshard.transport=sparse_nccl", "launch.gpus_per_node=1"],
      "reshard.transport=sparse_nccl sends only what changed", "set reshard.delta=true"),
+    (["reshard.transport=nccl", "launch.gpus_per_node=1"],
+     "reshard.transport=nccl joins the trainer's sending rank and the engine's workers in one "
+     "NCCL group", "set rollout.placement=separate"),
+    (["reshard.transport=ipc", "launch.gpus_per_node=1", "rollout.placement=separate"],
+     "reshard.transport=ipc shares each tensor from the trainer's GPU", "set rollout.placement=colocated"),
     (["reshard.transport=nccl", "reshard.delta=true", "launch.gpus_per_node=1"],
      "reshard.delta=true through vLLM's backends is sparse_nccl's work",
      "set reshard.transport=sparse_nccl"),

@@ -583,16 +583,22 @@ def _stub_trainer():
                 client.init_weight_transfer_engine({"engine_ranks": init_info.engine_ranks})
             return engine
 
-        def send_weights(self, patches=None):
-            pairs = list(self.source) if self.source is not None else None
+        def send_weights(self):  # a full-resync backend: vLLM's order check, then 'send'
             if not self.is_sender:
+                for _ in self.source.iter_groups():
+                    pass
                 return
             self.client.start_weight_update()
-            if pairs is not None:
-                self.client.update_weights({"tensors": pairs})
-            else:
-                self.client.update_weights({"patches": patches})
+            for names, ts in self.source.iter_groups():  # one update per layer, as it comes
+                self.client.update_weights({"tensors": list(zip(names, ts))})
             self.client.finish_weight_update()
+
+        def send_weight_chunk(self, patches):  # sparse_nccl's, inside the caller's session
+            for p in patches:  # what vLLM's sparse trainer checks before sending
+                assert p.indices.dtype == torch.int32 and p.indices.ndim == p.values.ndim == 1
+                assert p.indices.numel() == p.values.numel() and p.full_shape
+            if self.is_sender:
+                self.client.update_weights({"patches": patches})
 
     WeightTransferTrainerFactory.register_engine("mcore_rl_test_stub", StubTrainer)
     StubTrainer.init_cls = StubInit
@@ -604,26 +610,34 @@ class _ProtocolEngine:
 
     tp = 2
 
-    def __init__(self):
+    def __init__(self, fail_update_of_sync=None):
         self.calls, self.weights, self.version = [], {}, None
+        self.fail_update_of_sync, self.syncs = fail_update_of_sync, 0
 
     def transfer(self, step, payload=None):
         self.calls.append(step)
         if step == "ranks":
             return self.tp
+        if step == "start":
+            self.syncs += 1
+        if step == "update" and self.syncs == self.fail_update_of_sync:
+            raise RuntimeError("worker 1 lost its NCCL peer")
         if step == "update" and "tensors" in payload:
-            self.weights = {n: t.clone() for n, t in payload["tensors"]}
+            self.weights.update({n: t.clone() for n, t in payload["tensors"]})
         elif step == "update":
             for p in payload["patches"]:
                 flat = self.weights.setdefault(p.name, torch.zeros(p.full_shape)).view(-1)
                 flat[p.indices.long()] = p.values
         elif step == "finish":
             self.version = payload
+        elif step == "abort":  # as VLLMEngine: no version served until a sync finishes
+            self.version = None
 
 
-def _native(rank, world_size, layout, hf_dir, transport, steps):
+def _native(rank, world_size, layout, hf_dir, transport, steps, fail=None):
     """NativeWeightSync at ``layout`` into two protocol engines through the stub trainer:
-    per sync, what each engine holds and its calls; between syncs one parameter changes."""
+    per sync, what each engine holds and its calls, or the error raised on this rank; between
+    syncs one element of one parameter changes. ``fail``: (sync, engine) whose update fails."""
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
     from mcore_rl.reshard.native import NativeWeightSync
@@ -638,22 +652,27 @@ def _native(rank, world_size, layout, hf_dir, transport, steps):
         everyone = [None] * world_size
         dist.all_gather_object(everyone, local_holdings(built.chunks, rank)[0])
         plan = ReshardPlan.build([h for hs in everyone for h in hs], built.spec.arch, 2**16)
-        engines = [_ProtocolEngine(), _ProtocolEngine()] if rank == 0 else []
+        fails = [fail[0] if fail and fail[1] == k else None for k in range(2)]
+        engines = [_ProtocolEngine(f) for f in fails] if rank == 0 else []
         sync = NativeWeightSync(
             built.chunks, plan, transport, engines=engines, full_every=3,
             init_info=lambda backend, r, n: stub.init_cls(rank=r, engine_ranks=n))
         out = []
         for version in range(1, steps + 1):
-            stats = sync.sync(version)
+            if rank == 0 and version > 1:  # the trainer 'steps': one element of a parameter
+                with torch.no_grad():
+                    next(p for c in built.chunks for p in c.parameters()).view(-1)[0] += 1.0
+            try:
+                stats = sync.sync(version)
+            except WeightSyncError as err:
+                out.append({"error": str(err), "versions": [e.version for e in engines]})
+                continue
             out.append({"weights": [{n: t.clone() for n, t in e.weights.items()} for e in engines],
                         "versions": [e.version for e in engines],
                         "changed_fraction": stats.changed_fraction,
                         "sent": stats.sent_nbytes, "full": stats.nbytes})
-            if rank == 0:  # the trainer 'steps': one element of its first parameter
-                with torch.no_grad():
-                    next(p for c in built.chunks for p in c.parameters()).view(-1)[0] += 1.0
-        out.append([e.calls for e in engines])
         sync.close()
+        out.append([e.calls for e in engines])
         return out
     finally:
         destroy_parallel()
@@ -664,12 +683,37 @@ def test_vllm_backends_sync_sends_the_checkpoint_once_per_engine_with_its_versio
     results = world.run(_native, LAYOUTS["TP2xPP2"][:2], hf_dir, "nccl", 1)
     first, calls = results[0][0], results[0][-1]
     assert first["versions"] == [1, 1]
-    assert first["sent"] == first["full"] > 0  # every tensor, to each engine
     for held in first["weights"]:  # every engine, the checkpoint exactly, in vLLM's order
         assert sorted(held) == sorted(expected)
         assert all(torch.equal(held[n], t) for n, t in expected.items())
-    assert calls == [["ranks", "init", "start", "update", "finish"]] * 2
+    for engine_calls in calls:  # one session, an update per layer
+        assert engine_calls[:4] == ["ranks", "init", "check", "start"]
+        assert engine_calls[-2:] == ["finish", "shutdown"] and set(engine_calls[4:-2]) == {"update"}
     assert all(r[-1] == [] for r in results[1:])  # only the controller calls the engines
+    checkpoint_bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    assert first["sent"] == 2 * checkpoint_bytes  # every tensor, to each engine
+
+
+@pytest.mark.parametrize("transport", ["nccl", "sparse_nccl"])
+def test_an_engine_failing_mid_sync_fails_it_on_every_rank_and_the_next_sync_is_whole(
+        world, models, transport):
+    hf_dir, _, expected = models["qwen2-tied"]
+    results = world.run(_native, LAYOUTS["TP2xPP2"][:2], hf_dir, transport, 3, fail=(2, 1))
+    # sync 2 failed on every rank, the same way: the controller gave up mid-pass (nccl: at the
+    # first layer), the others went on gathering, and nobody hung
+    errors = {r[1]["error"] for r in results}
+    assert len(errors) == 1 and "worker 1 lost its NCCL peer" in errors.pop()
+    controller = results[0]
+    assert controller[1]["versions"][1] is None  # the failed engine serves no version
+    third, calls = controller[2], controller[-1]
+    assert third["versions"] == [3, 3]
+    for held in third["weights"]:  # whole again: the checkpoint, one element moved twice
+        diff = [n for n in expected if not torch.equal(held[n], expected[n])]
+        assert len(diff) == 1 and held[diff[0]].view(-1)[0] == expected[diff[0]].view(-1)[0] + 2
+    if transport == "sparse_nccl":
+        assert third["changed_fraction"] == 1.0  # after a failure, every element
+    for engine_calls in calls:  # each engine was told, and the backend started again
+        assert "abort" in engine_calls and engine_calls.count("init") == 2
 
 
 def test_sparse_patches_rebuild_the_weights_and_send_only_what_changed(world, models):
@@ -693,9 +737,10 @@ def test_sparse_patches_rebuild_the_weights_and_send_only_what_changed(world, mo
                 assert diff == [bumped]
                 assert held[bumped].view(-1)[0] == expected[bumped].view(-1)[0] + k
     assert syncs[-1]["versions"] == [4, 4]
-    # bytes: every element with its int32 index when full, one element's when not
-    assert syncs[0]["sent"] == syncs[0]["full"] * 2  # fp32 values + int32 indices
-    assert syncs[1]["sent"] == 2 * (4 + 4)  # one element per engine
+    # bytes to both engines: every element with its int32 index when full, one element's when not
+    checkpoint_bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    assert syncs[0]["sent"] == 2 * 2 * checkpoint_bytes  # fp32 values + int32 indices
+    assert syncs[1]["sent"] == 2 * (4 + 4)
 
 
 def _gathered_source(rank, world_size, layout, hf_dir, everyone):

@@ -39,3 +39,20 @@ def test_the_critic_is_a_fact_of_the_estimator_entry():
     from mcore_rl.algos import ADVANTAGE_ESTIMATORS, needs_critic
 
     assert [n for n in ADVANTAGE_ESTIMATORS.names() if needs_critic(n)] == ["gae"]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["reshard.transport=nccl", "rollout.placement=separate"],
+    ["reshard.transport=sparse_nccl", "reshard.delta=true", "rollout.placement=separate"],
+    ["reshard.transport=ipc"]], ids=lambda o: o[0])
+def test_vllms_gpu_backends_pass_every_check_of_a_gpu_config(overrides):
+    """vLLM's backends are vLLM's names, not entries of mcore-rl's transport registry: a GPU
+    config naming one passes the rules and the registry check (here on CPU, where only the
+    GPUs the config asks for tell the rules that CUDA will be there)."""
+    from mcore_rl.roles.rules import check_config
+
+    cfg = load_config(None, overrides + ["launch.gpus_per_node=8"])
+    check_config(cfg)
+    check_registered_names(cfg)
+    assert "reshard.transport" not in {where for where, _, _ in named_variants(cfg)}
+
