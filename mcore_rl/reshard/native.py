@@ -175,8 +175,8 @@ class EngineClient:
     CUDA IPC handles travel pickled (``ipc_handles_pickled``): vLLM's message encoder to its
     engine process takes no tensor classes or dtypes."""
 
-    def __init__(self, engine, version: Callable[[], int], transport: str = "nccl"):
-        self.engine, self.version, self.transport = engine, version, transport
+    def __init__(self, engine, version: Callable[[], int]):
+        self.engine, self.version = engine, version
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.engine.transfer("init", init_info)
@@ -276,8 +276,8 @@ class NativeWeightSync:
             info = self._init_info(self.transport, vllm_rank, engine_ranks)
             try:
                 if error is None:
-                    client = EngineClient(self.engines[k], lambda: self._version,
-                                          self.transport) if self.is_controller else _NoClient()
+                    client = EngineClient(self.engines[k], lambda: self._version) \
+                        if self.is_controller else _NoClient()
                     source = None if self.transport == "sparse_nccl" else self.source
                     trainers.append(WeightTransferTrainerFactory.trainer_init(
                         info, client=client, source=source))

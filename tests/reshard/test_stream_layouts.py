@@ -283,6 +283,15 @@ def test_a_controller_side_failure_fails_the_sync_on_every_rank(world, models, o
     assert results[0]["version"] is None and not results[0]["consistent"]
 
 
+def _whole_plan(built, rank) -> ReshardPlan:
+    """The plan from every rank's holdings of ``built`` (collective), 64 KB buckets."""
+    from mcore_rl.parallel.agreement import all_gather
+    from mcore_rl.reshard.sources import local_holdings
+
+    everyone = all_gather(local_holdings(built.chunks, rank)[0])
+    return ReshardPlan.build([h for hs in everyone for h in hs], built.spec.arch, 2**16)
+
+
 def _gathered(rank, world_size, layout, hf_dir):
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
@@ -293,13 +302,7 @@ def _gathered(rank, world_size, layout, hf_dir):
     ctx = initialize_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp[0] if cp else 1)
     try:
         built = build_model(hf_dir, ctx)
-        holdings, views = local_holdings(built.chunks, rank)
-        everyone = [None] * world_size
-        import torch.distributed as dist
-
-        dist.all_gather_object(everyone, holdings)
-        plan = ReshardPlan.build([h for hs in everyone for h in hs], built.spec.arch, 2**16)
-        return gather_hf_tensors(plan, views, rank)
+        return gather_hf_tensors(_whole_plan(built, rank), local_holdings(built.chunks, rank)[1], rank)
     finally:
         destroy_parallel()
 
@@ -641,17 +644,12 @@ def _native(rank, world_size, layout, hf_dir, transport, steps, fail=None):
     from mcore_rl.models.provider import build_model
     from mcore_rl.parallel import destroy_parallel, initialize_parallel
     from mcore_rl.reshard.native import NativeWeightSync
-    from mcore_rl.reshard.sources import local_holdings
 
     stub = _stub_trainer()
     ctx = initialize_parallel(tp=layout[0], pp=layout[1])
     try:
         built = build_model(hf_dir, ctx)
-        import torch.distributed as dist
-
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, local_holdings(built.chunks, rank)[0])
-        plan = ReshardPlan.build([h for hs in everyone for h in hs], built.spec.arch, 2**16)
+        plan = _whole_plan(built, rank)
         fails = [fail[0] if fail and fail[1] == k else None for k in range(2)]
         engines = [_ProtocolEngine(f) for f in fails] if rank == 0 else []
         sync = NativeWeightSync(
@@ -754,11 +752,7 @@ def _gathered_source(rank, world_size, layout, hf_dir, everyone):
     ctx = initialize_parallel(tp=layout[0], pp=layout[1])
     try:
         built = build_model(hf_dir, ctx)
-        import torch.distributed as dist
-
-        all_holdings = [None] * world_size
-        dist.all_gather_object(all_holdings, local_holdings(built.chunks, rank)[0])
-        plan = ReshardPlan.build([h for hs in all_holdings for h in hs], built.spec.arch, 2**16)
+        plan = _whole_plan(built, rank)
         source = gathered_source(plan, lambda: local_holdings(built.chunks, rank)[1], rank, 0,
                                  everyone=everyone)
         names = [m.name for m in source.metadata()]
