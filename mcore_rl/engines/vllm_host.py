@@ -85,6 +85,16 @@ def abort(llm, request_ids: list[str]) -> None:
     llm.llm_engine.abort_request(request_ids)
 
 
+def pause(llm, mode: str) -> None:
+    """vLLM's ``pause_generation`` (``AsyncLLM``): ``mode`` "keep" or "abort", the KV cache
+    and prefix cache cleared (a kept request recomputes its KV under the new weights)."""
+    llm.pause_generation(mode=mode, clear_cache=True)
+
+
+def resume(llm) -> None:
+    llm.resume_generation()
+
+
 def collective_rpc(llm, method: str, args: tuple) -> list:
     return llm.collective_rpc(method, args=args)
 

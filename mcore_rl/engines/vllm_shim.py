@@ -68,9 +68,12 @@ def sleep_mode_available() -> bool:
 
 def add_streaming_request(llm, request_id: str, prompt_token_ids: list[int], params) -> None:
     """Add a request to ``llm``'s engine that reports its samples' tokens after every engine
-    step (cumulative), for a caller that steps the engine itself (`LLMEngine.step`)."""
+    step (cumulative), for a caller that steps the engine itself (`LLMEngine.step`), or takes
+    what ``AsyncLLM`` streamed (`mcore_rl.engines.vllm_async.SyncFacade`)."""
     from vllm.sampling_params import RequestOutputKind
 
     params.output_kind = RequestOutputKind.CUMULATIVE
-    engine_input = llm._preprocess_cmpl_one({"prompt_token_ids": list(prompt_token_ids)}, None)
-    llm.llm_engine.add_request(request_id, engine_input, params)
+    prompt = {"prompt_token_ids": list(prompt_token_ids)}
+    preprocess = getattr(llm, "_preprocess_cmpl_one", None)  # AsyncLLM does its own
+    llm.llm_engine.add_request(request_id, prompt if preprocess is None else
+                               preprocess(prompt, None), params)

@@ -13,11 +13,15 @@ steps the engine, so a group submitted now joins the engine's running batch at i
 (continuous batching, on an engine that has it: `RolloutEngine.continuous`).
 
 The trainer's weight sync reaches the engine through the object this role publishes; it
-runs between two engine steps (the loop holds the engine's lock only for a step), so an
-update pauses generation for the apply alone. Responses still running then go on under
-the new weights, their tokens so far prefilled again, or start over
-(``rollout.partial_rollout``: continue / abort); every token records the version that
-generated it. A finished group already more than ``train.max_staleness`` versions old is
+runs between two of the loop's steps (the loop holds the engine's lock only for a step), so
+an update pauses generation for the apply alone. Responses still running then go on under
+the new weights, or start over (``rollout.partial_rollout``: continue / abort); every token
+records the version that generated it. On vLLM's ``AsyncLLM`` (`VLLMEngine.keeps_requests`)
+the engine itself pauses around the update: with ``keep`` the requests stay in it, their KV
+cache dropped and recomputed under the new weights, and vLLM reports each span's version;
+with ``abort`` it ends them and this role submits them again. On an engine stepped by this
+loop, the role cuts the running requests and submits their rest (their tokens so far
+prefilled again) or the whole sample anew. A finished group already more than ``train.max_staleness`` versions old is
 generated again with the current weights when ``train.on_stale: regenerate`` (counted).
 
 Per group, the batch's metadata carries its key (step, index) and what the engine did
@@ -96,6 +100,12 @@ class ContinuousGenerate:
         loop takes finished ones."""
         self.sleeping = False
         self.engine.before_sleep = self._park
+        if hasattr(self.engine, "on_update"):  # the engine pauses around updates itself
+            self.engine.on_update = "keep" if self.cfg.rollout.partial_rollout == "continue" \
+                else "abort"
+        self.keeps = bool(getattr(self.engine, "keeps_requests", False))
+        """Requests in flight go on across weight updates inside the engine, which reports
+        each token's version."""
 
     def __call__(self, items: Iterator[dict]) -> Iterator[Batch]:
         arrived: queue.Queue = queue.Queue()
@@ -218,7 +228,11 @@ class ContinuousGenerate:
         sample, version = group.pending.pop(rid), self.versions.pop(rid)
         indices = range(len(samples)) if sample is None else [sample]
         for j, s in zip(indices, samples):
-            s = replace(s, sample_index=j, weight_version=version)
+            if self.keeps and s.weight_version is not None:  # as the engine recorded them
+                self.counts["partial_continued"] += len(set(_versions(s))) - 1
+                s = replace(s, sample_index=j)
+            else:  # every token of the request ran under the version it was submitted with
+                s = replace(s, sample_index=j, weight_version=version, token_versions=None)
             prefix = group.samples[j] if sample is not None else None
             if prefix is not None:  # a continuation: after the tokens its slot holds
                 kept = None if prefix.kept_ids is None or s.kept_ids is None else \
@@ -226,7 +240,7 @@ class ContinuousGenerate:
                 s = RolloutSample(0, j, group.prompt, prefix.token_ids + s.token_ids,
                                   prefix.logprobs + s.logprobs, s.finish_reason,
                                   prefix.weight_version,
-                                  token_versions=_versions(prefix) + [version] * len(s.token_ids),
+                                  token_versions=_versions(prefix) + _versions(s),
                                   kept_ids=kept)
             elif sample is not None:
                 s = replace(s, prompt_token_ids=group.prompt)
@@ -236,9 +250,11 @@ class ContinuousGenerate:
     def _new_weights(self, version: int) -> None:
         """Requests that started under older weights: each unfinished sample goes on under
         the new ones (continue: its KV cache dropped, its tokens so far prefilled again) or
-        starts over (abort); finished ones are kept."""
+        starts over (abort); finished ones are kept. An engine that keeps its requests
+        across the update has already done the first (`keeps`)."""
         self.version_seen = version
-        self._resubmit(self._cancel_running())
+        if not self.keeps:
+            self._resubmit(self._cancel_running())
 
     def _park(self) -> None:
         """Before the engine sleeps (colocated: under the lock of the trainer's sleep call):

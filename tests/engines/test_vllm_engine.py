@@ -171,6 +171,39 @@ def test_the_version_in_samples_is_the_one_vllm_recorded_when_the_sync_finished(
     assert engine.recorded_version() == "11"
 
 
+def test_requests_in_flight_are_kept_across_a_sync_and_go_on_as_the_new_weights_generate(
+        engine, dirs, original_weights):
+    """Pause-and-keep (vLLM's ``AsyncLLM``): a bucket sync while greedy requests run. Each
+    sample's tokens before the sync are the old weights' greedy ones, those after it the new
+    weights' greedy continuation of prompt + those tokens (KV recomputed, nothing generated
+    on half-loaded weights), and vLLM's spans give each token its version."""
+    from mcore_rl.engines.base import Request
+
+    assert engine.keeps_requests
+    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=100)
+    tensors = load_file(f"{dirs[1]}/model.safetensors")
+    for i, prompt in enumerate(PROMPTS):
+        engine.submit(Request(f"kept{i}", prompt, greedy, None))
+    done = {}
+    while not any(c.token_ids for _, cs in engine._streams.values() for c in cs.values()):
+        done.update(engine.step())
+    engine.update_weights(tensors.items(), version=3, bucket_mb=0.05)
+    while len(done) < len(PROMPTS):
+        done.update(engine.step())
+    cut = 0
+    for i, prompt in enumerate(PROMPTS):
+        (s,) = done[f"kept{i}"]
+        versions = s.token_versions or [s.weight_version] * len(s.token_ids)
+        old = versions.count(0)
+        n = len(s.token_ids)  # up to 100: the model's end-of-sequence token may stop it
+        assert versions == [0] * old + [3] * (n - old)
+        assert s.token_ids[:old] == hf_greedy(dirs[0], [prompt], old)[0]
+        if 0 < old < n:
+            cut += 1
+            assert s.token_ids[old:] == hf_greedy(dirs[1], [prompt + s.token_ids[:old]], n - old)[0]
+    assert cut, "no request was in flight when the sync came"
+
+
 def test_weights_reach_the_workers_through_vllms_weight_transfer_backend_of_ours(
         engine, dirs, original_weights):
     # the report is read from the worker's weight-transfer engine, refused if not ours
@@ -354,16 +387,20 @@ def test_a_cancelled_request_keeps_its_tokens_and_their_continuation_gives_the_w
 
 
 def test_generate_while_requests_run_returns_its_own_answers_and_leaves_theirs_alone(engine):
+    from dataclasses import replace
+
     from mcore_rl.engines.base import Request
 
+    long = replace(SAMPLED, max_new_tokens=100)  # still running while generate runs
     expected = engine.generate(PROMPTS, SAMPLED, seeds=SEEDS)
-    done, _ = _run(engine, [Request("bg", PROMPTS[1], SAMPLED, SEEDS[1])], steps=2)
+    (background,) = [engine.generate(PROMPTS[1:], long, seeds=SEEDS[1:])]
+    done, _ = _run(engine, [Request("bg", PROMPTS[1], long, SEEDS[1])], steps=2)
     assert not done
     during = engine.generate(PROMPTS, SAMPLED, seeds=SEEDS)
     assert [s.token_ids for s in during] == [s.token_ids for s in expected]
     while "bg" not in done:
         done.update(engine.step())
-    assert [s.token_ids for s in done["bg"]] == [s.token_ids for s in expected[2:]]
+    assert [s.token_ids for s in done["bg"]] == [s.token_ids for s in background]
 
 
 def test_on_cpu_at_tp1_the_engine_is_one_host_process_named_as_vllms_engine_core(engine):

@@ -47,7 +47,8 @@ def test_async_colocated_parks_running_requests_while_the_engine_sleeps(tmp_path
     raises), so every step still trains within the bound."""
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [
         f"logging.dir={tmp_path}", "train.steps=3", "train.max_staleness=1",
-        "rollout.placement=colocated", "train.warm_start_steps=40", "rollout.max_new_tokens=8",
+        "rollout.placement=colocated", "train.warm_start_steps=40", "rollout.max_new_tokens=40",
+        "rollout.min_new_tokens=40",
         "model.max_position_embeddings=64"]), 1)
     stats = run_job(cfg)
     steps = [h for h in _history(tmp_path) if h["step"] > 0]

@@ -1,8 +1,12 @@
 """`ContinuousGenerate` on a vLLM engine of this process: new weights arriving while
 responses run. Continued responses keep their tokens so far (stamped with the old version)
 and go on exactly as the new weights generate from the prompt plus those tokens (their KV
-cache prefilled again, none of the old weights' cache reused); aborted ones start over under
-the new weights. The oracle is the engine itself, greedy, after the switch."""
+cache computed again, none of the old weights' cache reused); aborted ones start over under
+the new weights. The oracle is the engine itself, greedy, after the switch.
+
+The engine is vLLM's ``AsyncLLM`` (pause-and-keep inside the engine, the versions as vLLM
+recorded them); one test also runs the blocking engine this role steps itself (the running
+requests cut and their rest submitted)."""
 from __future__ import annotations
 
 import itertools
@@ -18,8 +22,9 @@ from mcore_rl.config import load_config
 REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 40
 SWITCH_AFTER = 28
-"""Engine steps before the new weights arrive: past a full cache block of prompt and
-response (`BLOCK`), which vLLM caches, so a continuation could reuse the old weights' KV."""
+"""Response tokens a running sample has when the new weights arrive: past a full cache block
+of prompt and response (`BLOCK`), which vLLM caches, so a continuation could reuse the old
+weights' KV."""
 BLOCK = 32
 
 
@@ -42,15 +47,33 @@ def parts(tmp_path_factory):
                                tok.pad_id, seed=1)
     engine = build_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, seed=0,
                                   block_size=BLOCK)
-    yield SimpleNamespace(cfg=cfg, model_dir=model_dir, other=other, engine=engine,
-                          tokenizer=load_tokenizer(model_dir))
+    made = SimpleNamespace(cfg=cfg, model_dir=model_dir, other=other, engine=engine,
+                           tokenizer=load_tokenizer(model_dir))
+    yield made
     engine.close()
+    if hasattr(made, "stepped"):
+        made.stepped.close()
+
+
+@pytest.fixture(params=["async", "llm"])
+def frontend_parts(request, parts):
+    """``parts`` with the engine of that frontend (the blocking one started on first use)."""
+    from mcore_rl.engines import build_rollout_engine
+
+    if request.param == "async":
+        return parts
+    if not hasattr(parts, "stepped"):
+        parts.stepped = build_rollout_engine(parts.cfg.rollout, parts.model_dir,
+                                             dtype=parts.cfg.model.dtype, seed=0,
+                                             block_size=BLOCK, frontend="llm")
+    return SimpleNamespace(**{**vars(parts), "engine": parts.stepped})
 
 
 def _rollout(parts, monkeypatch, mode: str, samples: int = 1, switches=(SWITCH_AFTER,),
              min_new_tokens: int = 0):
     """Four prompt groups of ``samples`` samples through the role, the other weights (and
-    back, and so on) loaded after each of ``switches`` engine steps; per group: prompt ids,
+    back, and so on) loaded once a running sample has reported each of ``switches`` tokens
+    (vLLM's AsyncLLM generates on meanwhile: the cut comes a few tokens later); per group: prompt ids,
     response ids, their versions (of its first sample); the role's counts; every sample's
     response ids and versions. Greedy for one sample, sampled (temperature 1) for more."""
     from mcore_rl.roles.continuous import ContinuousGenerate
@@ -63,13 +86,15 @@ def _rollout(parts, monkeypatch, mode: str, samples: int = 1, switches=(SWITCH_A
                                              n_samples_per_prompt=samples,
                                              min_new_tokens=min_new_tokens,
                                              temperature=0.0 if samples == 1 else 1.0))
-    real_step, steps = engine.step, itertools.count(1)
+    real_step, pending = engine.step, list(switches)
 
     def step():
         finished = real_step()
-        at = next(steps)
-        if at in switches:  # a weight sync between two engine steps
-            version = switches.index(at) + 1
+        longest = max((len(c.token_ids) for _, completions in engine._streams.values()
+                       for c in completions.values() if c.finish_reason is None), default=0)
+        if pending and longest >= pending[0]:  # a weight sync between two engine steps
+            version = len(switches) - len(pending) + 1
+            pending.pop(0)
             weights = parts.other if version % 2 else parts.model_dir
             engine.load_weights_from_dir(str(weights), version=version)
         return finished
@@ -104,8 +129,11 @@ def _greedy(engine, prompt, new_tokens):
     return sample.token_ids
 
 
-def test_continued_responses_go_on_as_the_new_weights_generate_after_their_old_tokens(parts, monkeypatch):
+def test_continued_responses_go_on_as_the_new_weights_generate_after_their_old_tokens(frontend_parts,
+                                                                                    monkeypatch):
+    parts = frontend_parts
     groups, counts, _ = _rollout(parts, monkeypatch, "continue")
+    assert parts.engine.keeps_requests == (parts.engine.frontend == "async")
     assert len(groups) == 4
     cut = [g for g in groups if 0 in g[2] and 1 in g[2]]
     assert any(len(p) + g.count(0) >= BLOCK for p, _, g in cut), "no cached block was at stake"
