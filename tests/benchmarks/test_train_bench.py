@@ -41,7 +41,8 @@ def test_quick_schedule_bench_compares_each_schedule_and_continuous_batching_wit
     assert main(["bench", "train", "--json", str(out), "--quick", "--schedule", "sync,async"]) == 0
     report = json.loads(out.read_text())["results"]["quickstart"]
     cfg = load_config("configs/quickstart.yaml", [])
-    assert set(report["comparisons"]) == {"engine_continuous_batching", "async_vs_sync"}
+    assert set(report["comparisons"]) == {"engine_continuous_batching", "engine_async_vs_stepped",
+                                          "engine_stepped_continuous_batching", "async_vs_sync"}
     for c in report["comparisons"].values():
         assert c["ours"] > 0 and c["baseline"] > 0
         assert c["speedup"] == pytest.approx(c["ours"] / c["baseline"], rel=2e-3)
@@ -60,6 +61,7 @@ def test_quick_schedule_bench_compares_each_schedule_and_continuous_batching_wit
     capacity = 3 * cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
     assert engine["continuous_capacity"] == capacity
     assert 0 < engine["continuous_mean_occupancy"] <= capacity
+    assert 0 < engine["continuous_async_mean_occupancy"] <= capacity
     assert set(engine["decode_tokens_per_s"]) == {"1", "8", "32"}
 
 

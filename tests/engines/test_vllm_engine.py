@@ -30,6 +30,7 @@ def engine(dirs):
     from mcore_rl.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(dirs[0], tp=1, max_model_len=128)
+    engine.stream_interval = 1  # requests cut a token or so after they start
     yield engine
     engine.close()
 
@@ -185,7 +186,7 @@ def test_requests_in_flight_are_kept_across_a_sync_and_go_on_as_the_new_weights_
     for i, prompt in enumerate(PROMPTS):
         engine.submit(Request(f"kept{i}", prompt, greedy, None))
     done = {}
-    while not any(c.token_ids for _, cs in engine._streams.values() for c in cs.values()):
+    while not any(engine.running_lengths()):
         done.update(engine.step())
     engine.update_weights(tensors.items(), version=3, bucket_mb=0.05)
     while len(done) < len(PROMPTS):
@@ -342,11 +343,12 @@ SEEDS = [3, 4]
 
 def _run(engine, requests, steps=None):
     """Submit ``requests`` and step until all finish (or ``steps`` steps); finished
-    samples by request id, and the batch occupancy seen at each step."""
+    samples by request id, and the batch occupancy seen once they are submitted and at each
+    step (vLLM's AsyncLLM has them all in its batch from the start)."""
     for r in requests:
         engine.submit(r)
-    done, occupancy = {}, []
-    while len(done) < len(requests) and (steps is None or len(occupancy) < steps):
+    done, occupancy = {}, [engine.sequences_in_flight()]
+    while len(done) < len(requests) and (steps is None or len(occupancy) <= steps):
         done.update(engine.step())
         occupancy.append(engine.sequences_in_flight())
     return done, occupancy
@@ -372,15 +374,18 @@ def test_a_cancelled_request_keeps_its_tokens_and_their_continuation_gives_the_w
 
     from mcore_rl.engines.base import Request
 
-    one = SamplingConfig(n=1, temperature=0.0, max_new_tokens=8)
+    one = SamplingConfig(n=1, temperature=0.0, max_new_tokens=100)
     (whole,) = engine.generate(PROMPTS[:1], one)
-    assert len(whole.token_ids) == 8
-    _run(engine, [Request("c", PROMPTS[0], one, None)], steps=3)
+    length = len(whole.token_ids)  # up to 100: the model's end-of-sequence token may stop it
+    assert length > 20
+    engine.submit(Request("c", PROMPTS[0], one, None))
+    while not any(engine.running_lengths()):
+        engine.step()
     (partial,) = engine.cancel(["c"])["c"]
-    assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 8
+    assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < length
     assert partial.token_ids == whole.token_ids[:len(partial.token_ids)]
     rest = Request("c2", PROMPTS[0] + partial.token_ids,
-                   replace(one, max_new_tokens=8 - len(partial.token_ids)), None)
+                   replace(one, max_new_tokens=100 - len(partial.token_ids)), None)
     done, _ = _run(engine, [rest])
     assert partial.token_ids + done["c2"][0].token_ids == whole.token_ids
     assert engine.cancel(["c2", "never-submitted"]) == {}

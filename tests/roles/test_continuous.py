@@ -47,6 +47,7 @@ def parts(tmp_path_factory):
                                tok.pad_id, seed=1)
     engine = build_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, seed=0,
                                   block_size=BLOCK)
+    engine.stream_interval = 1  # every token reported: the switches come where they are asked
     made = SimpleNamespace(cfg=cfg, model_dir=model_dir, other=other, engine=engine,
                            tokenizer=load_tokenizer(model_dir))
     yield made
@@ -90,8 +91,7 @@ def _rollout(parts, monkeypatch, mode: str, samples: int = 1, switches=(SWITCH_A
 
     def step():
         finished = real_step()
-        longest = max((len(c.token_ids) for _, completions in engine._streams.values()
-                       for c in completions.values() if c.finish_reason is None), default=0)
+        longest = max(engine.running_lengths(), default=0)
         if pending and longest >= pending[0]:  # a weight sync between two engine steps
             version = len(switches) - len(pending) + 1
             pending.pop(0)
