@@ -121,7 +121,8 @@ class RolloutConfig:
     engine): one process, in-process streams, the weight sync a copy in memory and no Ray
     round trip per step; the synchronous schedule only. Worth it where the hand-offs weigh:
     tiny models, few cores. With vLLM the fused engine is the blocking in-process one
-    (vLLM's ``AsyncLLM`` always starts an engine process of its own)."""
+    (vLLM's ``AsyncLLM`` always starts an engine process of its own); colocated and separate
+    run vLLM's ``AsyncLLM``, which pauses around each weight sync (``partial_rollout``)."""
     engine_tp: int = 1
     """Tensor-parallel size of each engine replica."""
     replicas: int = 1

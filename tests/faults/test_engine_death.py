@@ -98,8 +98,10 @@ def marked_engine_cores(mark: str) -> list[int]:
     out = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if proc.info["cmdline"][:1] == ["VLLM::EngineCore"] and \
-                    proc.environ().get(MARK) == mark:
+            # AsyncLLM's engine core retitles itself over its environment block: its parent
+            # (the rollout role's process) holds the mark then
+            if proc.info["cmdline"][:1] == ["VLLM::EngineCore"] and mark in (
+                    proc.environ().get(MARK), proc.parent().environ().get(MARK)):
                 out.append(proc.pid)
         except (psutil.Error, TypeError):
             pass
