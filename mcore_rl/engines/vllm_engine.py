@@ -48,7 +48,6 @@ FRONTENDS = ("async", "llm")
 """How the engine is driven: vLLM's ``AsyncLLM`` (its own loop, pause-and-keep around weight
 updates; `mcore_rl.engines.vllm_async`) or the blocking ``LLM``, stepped by mcore-rl
 (`mcore_rl.engines.vllm_host`; what ``in_process`` and the ``fused`` placement need)."""
-ON_UPDATE = ("keep", "abort")
 CPU_MAX_SEQS = 256
 """Sequences the CPU KV cache is sized for (vLLM's default ``max_num_seqs`` per TP rank)."""
 KV_CACHE_LIMIT_GIB = 1.0
@@ -235,11 +234,7 @@ class VLLMEngine(RolloutEngine):
         self._check_kept_ids(sampling)
         if self._streams and self.frontend == "llm":  # requests submitted one by one run: step beside them
             return self._generate_beside_streams(prompts, sampling, seeds)
-        params = [vllm_shim.sampling_params(
-            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
-            stop_token_ids=list(sampling.stop_token_ids), seed=seed, logprobs=0,
-            detokenize=False) for seed in seeds]
+        params = [self._params(sampling, seed) for seed in seeds]
         outputs = self._call("generate", vllm_host.generate, prompts, params)
         rollouts = Rollouts()
         for i, (prompt, completions) in enumerate(zip(prompts, outputs)):
