@@ -96,7 +96,7 @@ def run_checked(cfg: RLConfig) -> int:
     from mcore_rl.engines.liveness import EngineDiedError, watch_owner
     from mcore_rl.flow import FlowError, ray_head, ray_shim
     from mcore_rl.launch.stop_signal import STOP_FILE_ENV, StopRequested, StopSignal, stop_exit_code
-    from mcore_rl.roles.graph import run_job
+    from mcore_rl.roles.graph import ModelDirAhead, run_job
 
     # vLLM logs every request at INFO; keep the console for the run's own progress.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -113,9 +113,14 @@ def run_checked(cfg: RLConfig) -> int:
         stop_file = private = Path(name)
     watch_owner()  # the run's processes, Ray's included, end with this one however it ends
     stop_ray = None
+    ahead = ModelDirAhead(cfg)  # written while Ray starts
     if not ray_shim.require().is_initialized():
-        stop_ray = ray_shim.start_local(cfg.launch.ray_reconnect_timeout_s,
-                                        include_dashboard=False, logging_level=logging.WARNING)
+        try:
+            stop_ray = ray_shim.start_local(cfg.launch.ray_reconnect_timeout_s,
+                                            include_dashboard=False, logging_level=logging.WARNING)
+        except BaseException:
+            ahead.discard()
+            raise
     ray_head.quiet_death_notices()
     head_watch = ray_head.watch_head(end_on_head_death(cfg.logging.dir))
     forwarding = StopForwarding(stop_file).install()  # after ray.init, which sets its own
@@ -125,7 +130,7 @@ def run_checked(cfg: RLConfig) -> int:
     cfg = replace(cfg, logging=replace(cfg.logging, progress_bar=False))
     code, last, to = 0, None, sys.stderr
     try:
-        run_job(cfg, stop=StopSignal(stop_file=stop_file, signals=()))
+        run_job(cfg, stop=StopSignal(stop_file=stop_file, signals=()), ahead=ahead)
     except FlowError as err:
         cause = err.cause
         if isinstance(cause, StopRequested):

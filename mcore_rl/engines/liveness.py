@@ -258,6 +258,10 @@ def watch_owner() -> None:
     global _WATCHER
     if _WATCHER is not None and _WATCHER.poll() is None:
         return
+    # Run as a file (-P: its folder not on the path), not as a module of this package,
+    # whose import would load torch: seconds of CPU per watcher, for a loop over psutil.
+    from mcore_rl.engines import owner_watch
+
     _WATCHER = subprocess.Popen(
-        [sys.executable, "-m", "mcore_rl.engines.owner_watch", str(os.getpid())],
+        [sys.executable, "-P", owner_watch.__file__, str(os.getpid())],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)

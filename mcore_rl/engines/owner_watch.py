@@ -1,10 +1,12 @@
-"""``python -m mcore_rl.engines.owner_watch OWNER_PID``: kill the owner's descendants once
+"""``python -P mcore_rl/engines/owner_watch.py OWNER_PID``: kill the owner's descendants once
 the owner is gone (started by `mcore_rl.engines.liveness.watch_owner`).
 
 While the owner lives, its descendants (engine core, engine workers, their resource
 tracker) are listed every second, each with its start time, so a process re-parented to
 init when the owner dies is still found, and a reused PID is never killed. Standard input
 is a pipe the owner holds: it closes when the owner dies, however it dies.
+
+It imports nothing of mcore-rl (run as a file, not through the package, which loads torch).
 """
 from __future__ import annotations
 

@@ -123,13 +123,19 @@ def initial_model_path(cfg: RLConfig) -> Path:
     return Path(cfg.logging.dir) / "initial_model"
 
 
+def writes_initial_model(cfg: RLConfig) -> bool:
+    """Whether a run of ``cfg`` starting now writes its random initial model."""
+    return not cfg.model.path and not initial_model_path(cfg).exists()
+
+
 @contextmanager
-def initial_model_removed_on_failure(cfg: RLConfig, ctx: ParallelContext):
+def initial_model_removed_on_failure(cfg: RLConfig, ctx: ParallelContext, wrote: bool | None = None):
     """A run that fails before its first checkpoint takes the random initial model it wrote
     with it: a failed start leaves no ``initial_model/`` behind (after a checkpoint, resuming
-    needs it, so it stays)."""
-    out = None if cfg.model.path else initial_model_path(cfg)
-    wrote = out is not None and not out.exists()
+    needs it, so it stays). ``wrote``: whether this run writes it (`writes_initial_model`
+    when it started; default: asked now)."""
+    out = initial_model_path(cfg)
+    wrote = writes_initial_model(cfg) if wrote is None else wrote
     try:
         yield
     except BaseException:

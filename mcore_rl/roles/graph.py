@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -238,19 +239,75 @@ def job_graph(cfg: RLConfig, stop: Any = None, gpus: bool = False, driven: bool 
     return cfg, rl_graph(cfg, model_dir, stop, gpus, driven)
 
 
-def run_job(cfg: RLConfig, stop: Any = None, address: str | None = None):
+class ModelDirAhead:
+    """The directory an RL job starts from (`model_dir_for`), prepared in a thread from
+    construction on, beside what the caller does meanwhile: writing the random initial
+    model imports transformers, seconds that starting Ray beside it hides. `run_job` takes
+    it; a caller that gives up before then calls `discard`."""
+
+    def __init__(self, cfg: RLConfig):
+        from mcore_rl.rl.setup import writes_initial_model
+
+        self.cfg = cfg
+        self.fresh = writes_initial_model(cfg)
+        """Whether this run writes its random initial model (what a failed start removes)."""
+        self._error: BaseException | None = None
+        self._thread = None
+        if cfg.train.job == "rl":
+            self._thread = threading.Thread(target=self._prepare, name="model-dir", daemon=True)
+            self._thread.start()
+
+    def _prepare(self) -> None:
+        try:
+            model_dir_for(self.cfg)
+        except BaseException as err:  # noqa: BLE001 - raised by `wait`
+            self._error = err
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self) -> None:
+        """Until the directory is there; its failure raised here."""
+        self.join()
+        if self._error is not None:
+            raise self._error
+
+    def discard(self) -> None:
+        """After a start that failed before `run_job`: the random initial model this run
+        wrote removed, once written."""
+        import shutil
+
+        from mcore_rl.rl.setup import initial_model_path
+
+        self.join()
+        if self.fresh:
+            shutil.rmtree(initial_model_path(self.cfg), ignore_errors=True)
+
+
+def run_job(cfg: RLConfig, stop: Any = None, address: str | None = None,
+            ahead: ModelDirAhead | None = None):
     """Launch ``cfg``'s job as its graph on Ray (joined, or started here) and wait for it;
     its `FlowStats`. A run that fails before its first checkpoint removes the random
     initial model it wrote. Once every process is up, ``<logging.dir>/processes.json`` says
-    which is which (`process_map`): the pids to attach a profiler to, or to look for."""
+    which is which (`process_map`): the pids to attach a profiler to, or to look for.
+    ``ahead``: the model directory, prepared while the caller started Ray (default: here,
+    beside starting Ray if this call does)."""
     from mcore_rl.flow import gpu_placement, launch, ray_shim
     from mcore_rl.rl.setup import initial_model_removed_on_failure
 
     ray = ray_shim.require()
-    stop_ray = None if ray.is_initialized() else ray_shim.start_local(
-        cfg.launch.ray_reconnect_timeout_s, address=address, include_dashboard=False)
+    ahead = ahead or ModelDirAhead(cfg)
+    stop_ray = None
     try:
-        with initial_model_removed_on_failure(cfg, _DRIVER):
+        with initial_model_removed_on_failure(cfg, _DRIVER, wrote=ahead.fresh):
+            try:
+                if not ray.is_initialized():
+                    stop_ray = ray_shim.start_local(cfg.launch.ray_reconnect_timeout_s,
+                                                    address=address, include_dashboard=False)
+                ahead.wait()
+            finally:
+                ahead.join()  # written or failed before anything is removed
             cfg, job = job_graph(cfg, stop, gpus=gpu_placement.has_gpus())
             return launch(job.group, data=job.data, max_in_flight=job.max_in_flight,
                           on_started=lambda processes: write_process_map(cfg, processes))
