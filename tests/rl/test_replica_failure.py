@@ -29,15 +29,24 @@ RUN = ["rollout.engine=vllm", "rollout.replicas=2", "rollout.placement=separate"
        "logging.progress_bar=false", "reshard.verify=false"]
 
 
-def engine_core(controller_pid: int) -> int:
-    """The vLLM engine core process a rollout controller started."""
-    for proc in psutil.Process(controller_pid).children(recursive=True):
-        try:
-            if proc.cmdline()[:1] == ["VLLM::EngineCore"]:
+def engine_core(controller_pid: int, within_s: float = 10.0) -> int:
+    """The vLLM engine core process a rollout controller started (looked for again for a
+    while: under load its title may not read yet); what is there instead names the miss."""
+    deadline = time.monotonic() + within_s
+    while True:
+        seen = []
+        for proc in psutil.Process(controller_pid).children(recursive=True):
+            try:
+                cmdline = proc.cmdline()
+            except psutil.Error as err:
+                seen.append((proc.pid, type(err).__name__))
+                continue
+            if cmdline[:1] and cmdline[0].startswith("VLLM::EngineCore"):
                 return proc.pid
-        except psutil.Error:
-            pass
-    raise AssertionError(f"no engine core under rollout process {controller_pid}")
+            seen.append((proc.pid, cmdline[:2]))
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no engine core under rollout process {controller_pid}: {seen}")
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("kill", ["engine process", "rollout process"])
