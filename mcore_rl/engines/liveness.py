@@ -258,10 +258,12 @@ def watch_owner() -> None:
     global _WATCHER
     if _WATCHER is not None and _WATCHER.poll() is None:
         return
-    # Run as a file (-P: its folder not on the path), not as a module of this package,
-    # whose import would load torch: seconds of CPU per watcher, for a loop over psutil.
+    # Run as a file, not as a module of this package, whose import would load torch:
+    # seconds of CPU per watcher, for a loop over psutil (-P, from Python 3.11: the file's
+    # folder kept off the module path).
     from mcore_rl.engines import owner_watch
 
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     _WATCHER = subprocess.Popen(
-        [sys.executable, "-P", owner_watch.__file__, str(os.getpid())],
+        [sys.executable, *safe_path, owner_watch.__file__, str(os.getpid())],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)

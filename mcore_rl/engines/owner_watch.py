@@ -1,4 +1,4 @@
-"""``python -P mcore_rl/engines/owner_watch.py OWNER_PID``: kill the owner's descendants once
+"""``python [-P] mcore_rl/engines/owner_watch.py OWNER_PID``: kill the owner's descendants once
 the owner is gone (started by `mcore_rl.engines.liveness.watch_owner`).
 
 While the owner lives, its descendants (engine core, engine workers, their resource
