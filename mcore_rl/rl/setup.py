@@ -134,14 +134,20 @@ def initial_model_removed_on_failure(cfg: RLConfig, ctx: ParallelContext, wrote:
     with it: a failed start leaves no ``initial_model/`` behind (after a checkpoint, resuming
     needs it, so it stays). ``wrote``: whether this run writes it (`writes_initial_model`
     when it started; default: asked now)."""
-    out = initial_model_path(cfg)
     wrote = writes_initial_model(cfg) if wrote is None else wrote
     try:
         yield
     except BaseException:
-        if wrote and ctx.is_controller and RunCheckpoints.for_config(cfg).latest() is None:
-            shutil.rmtree(out, ignore_errors=True)
+        if wrote and ctx.is_controller:
+            remove_initial_model(cfg)
         raise
+
+
+def remove_initial_model(cfg: RLConfig) -> None:
+    """After a failed start: the random initial model removed, unless a checkpoint of the
+    run needs it to resume."""
+    if RunCheckpoints.for_config(cfg).latest() is None:
+        shutil.rmtree(initial_model_path(cfg), ignore_errors=True)
 
 
 def check_job(cfg: RLConfig) -> None:

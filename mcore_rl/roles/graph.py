@@ -276,13 +276,11 @@ class ModelDirAhead:
     def discard(self) -> None:
         """After a start that failed before `run_job`: the random initial model this run
         wrote removed, once written."""
-        import shutil
-
-        from mcore_rl.rl.setup import initial_model_path
+        from mcore_rl.rl.setup import remove_initial_model
 
         self.join()
         if self.fresh:
-            shutil.rmtree(initial_model_path(self.cfg), ignore_errors=True)
+            remove_initial_model(self.cfg)
 
 
 def run_job(cfg: RLConfig, stop: Any = None, address: str | None = None,
@@ -305,9 +303,9 @@ def run_job(cfg: RLConfig, stop: Any = None, address: str | None = None,
                 if not ray.is_initialized():
                     stop_ray = ray_shim.start_local(cfg.launch.ray_reconnect_timeout_s,
                                                     address=address, include_dashboard=False)
-                ahead.wait()
             finally:
                 ahead.join()  # written or failed before anything is removed
+            ahead.wait()
             cfg, job = job_graph(cfg, stop, gpus=gpu_placement.has_gpus())
             return launch(job.group, data=job.data, max_in_flight=job.max_in_flight,
                           on_started=lambda processes: write_process_map(cfg, processes))
