@@ -20,13 +20,24 @@ from tests.rl.test_resume_after_kill import (metrics, stream_identities, trained
                                              wait_for_step)
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS, PROMPTS = 6, 4
+STEPS, PROMPTS = 8, 4
 RUN = ["rollout.engine=vllm", "rollout.replicas=2", "rollout.placement=separate",
        "rollout.on_replica_failure=continue", "train.schedule=async", "train.max_staleness=1",
        f"train.steps={STEPS}", f"data.prompts_per_step={PROMPTS}", "rollout.n_samples_per_prompt=4",
        "train.warm_start_steps=0", "train.val_every=0", "checkpoint.save_every=0",
        "logging.samples_every=1", "logging.samples_per_step=0", "logging.backends=[jsonl]",
        "logging.progress_bar=false", "reshard.verify=false"]
+
+
+def rollout_owner(run: Path, proc, timeout_s: float = 600) -> int:
+    """The pid of replica #1's rollout process, once the run has named its processes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it named its processes"
+        if (run / "processes.json").exists():
+            return json.loads((run / "processes.json").read_text())["processes"]["rollout#1"][0]
+        time.sleep(0.05)
+    raise TimeoutError("processes.json not written")
 
 
 def engine_core(controller_pid: int, within_s: float = 10.0) -> int:
@@ -58,9 +69,11 @@ def test_a_dead_replica_is_replaced_and_every_prompt_is_trained_once(tmp_path, k
          f"logging.dir={run}"], cwd=REPO, stdout=console, stderr=subprocess.STDOUT,
         start_new_session=True)
     try:
+        owner = rollout_owner(run, proc)
+        # looked up before step 1: after it the run has only a few seconds left to go
+        victim = engine_core(owner) if kill == "engine process" else owner
         wait_for_step(run, 1, proc)  # the replicas are generating the next steps' groups
-        owner = json.loads((run / "processes.json").read_text())["processes"]["rollout#1"][0]
-        os.kill(engine_core(owner) if kill == "engine process" else owner, signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         code = proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
