@@ -142,10 +142,10 @@ def resume_or_warm_start(state: RunState) -> None:
         return
     state.log.truncate_after(-1)  # a fresh run: logs of an earlier one in the same dir go
     if cfg.train.warm_start_steps:
-        from mcore_rl.rl.warm_start import warm_start
+        from mcore_rl.rl.warm_start import to_console, warm_start
 
         phases.engine_sleep(state)
-        losses = warm_start(state)
+        losses = warm_start(state, report=to_console if state.is_controller else None)
         phases.sync_weights(state)
         if state.is_controller:
             print(f"mcore-rl: warm start {len(losses)} steps, loss {losses[0]:.3f} -> "

@@ -148,10 +148,12 @@ def warm_start(run: FinetuneRun) -> list[float]:
     """The RL quick start's supervised warm start on the task's (biased) answers
     (``train.warm_start_*``), then the reference takes the warm-started weights."""
     from mcore_rl.data.prompts import PromptStream, load_prompt_records
+    from mcore_rl.rl.warm_start import to_console
     from mcore_rl.rl.warm_start import warm_start as supervised_warm_start
 
     prompts = PromptStream(load_prompt_records(run.cfg.data, "train"), run.cfg.data.seed)
-    losses = supervised_warm_start(_WarmStartView(run.cfg, run.model, run.tokenizer, prompts))
+    losses = supervised_warm_start(_WarmStartView(run.cfg, run.model, run.tokenizer, prompts),
+                                   report=to_console if run.ctx.is_controller else None)
     if run.reference is not None:
         copy_weights(run.model, run.reference)
     return losses

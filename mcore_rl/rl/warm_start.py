@@ -6,6 +6,8 @@ RL has something to sharpen; kept short, it leaves most answers wrong.
 from __future__ import annotations
 
 import random
+import time
+from typing import Callable
 
 import torch
 
@@ -78,11 +80,27 @@ def nll_loss(outputs, mb):
     return -(outputs["logprobs"] * mask).sum(), mask.sum(), {}
 
 
-def warm_start(state) -> list[float]:
-    """``train.warm_start_steps`` supervised steps at ``train.warm_start_lr``; the losses."""
+def to_console(line: str) -> None:
+    """A `warm_start` report as a console line of the run."""
+    print(f"mcore-rl: {line}", flush=True)
+
+
+PROGRESS_EVERY_S = 30.0
+"""How often a long warm start reports its progress (`warm_start`'s ``report``)."""
+
+
+def warm_start(state, report: Callable[[str], None] | None = None,
+               clock: Callable[[], float] = time.monotonic) -> list[float]:
+    """``train.warm_start_steps`` supervised steps at ``train.warm_start_lr``; the losses.
+    ``report`` (the rank that writes the console) gets a line when the warm start begins,
+    then one every `PROGRESS_EVERY_S` seconds while it runs."""
     cfg, losses = state.cfg.train, []
     stream_position = state.prompts.position
     rng = random.Random(cfg.seed)
+    if report is not None:
+        report(f"warm start: {cfg.warm_start_steps} supervised steps of {cfg.warm_start_batch} "
+               f"prompts on the task's answers (train.warm_start_*)")
+    last_report = clock()
     for _ in range(cfg.warm_start_steps):
         batch = sft_batch(state, state.prompts.take(cfg.warm_start_batch), rng)
         result = state.actor.train_batch(batch, nll_loss, lr=cfg.warm_start_lr)
@@ -91,5 +109,9 @@ def warm_start(state) -> list[float]:
                                  f"finite (loss {result.loss:.4g}); the update was not applied; "
                                  "lower train.warm_start_lr, or set train.on_nonfinite=skip")
         losses.append(result.loss)
+        if report is not None and clock() - last_report >= PROGRESS_EVERY_S \
+                and len(losses) < cfg.warm_start_steps:
+            last_report = clock()
+            report(f"warm start {len(losses)}/{cfg.warm_start_steps} steps, loss {result.loss:.3f}")
     state.prompts.position = stream_position  # RL sees the prompts from the start
     return losses
