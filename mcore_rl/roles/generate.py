@@ -68,11 +68,16 @@ class Generate:
         if removed:
             print(f"mcore-rl: removed {removed} shared-memory file(s) ({format_bytes(freed)}) that "
                   "killed engine processes left in /dev/shm", flush=True)
-        log_dir = Path(self.cfg.logging.dir)
+        log_file = Path(self.cfg.logging.dir) / f"{name.replace('/', '_')}.log"
+        kind, started = self.cfg.rollout.engine, time.perf_counter()
+        print(f"mcore-rl: {name}: starting the {kind} engine", flush=True)
         self.engine = build_rollout_engine(
             self.cfg.rollout, model_dir, dtype=self.cfg.model.dtype, seed=self.cfg.train.seed,
-            log_file=log_dir / f"{name.replace('/', '_')}.log",
-            max_model_len=phases.context_length(self.cfg), **engine_options(self.cfg.reshard))
+            log_file=log_file, max_model_len=phases.context_length(self.cfg),
+            **engine_options(self.cfg.reshard))
+        where = f" (its log: {log_file})" if log_file.exists() else ""
+        print(f"mcore-rl: {name}: {kind} engine ready in {time.perf_counter() - started:.1f} s"
+              f"{where}", flush=True)
         self.lock = publish(name, self.engine)
         self.calls = 0
 
