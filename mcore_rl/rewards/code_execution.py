@@ -26,7 +26,9 @@ installed there), /tmp, /dev/shm, the trainer's directories or Unix sockets, and
 allow-listed environment and no inherited file descriptors, under rlimits: address space
 ``reward.code_memory_mb``, CPU time, file size, 64 processes and threads, no core dumps; at
 the time limit the whole tree is killed. It imports the standard library only (no
-site-packages) and cannot start other programs (there are none in its view).
+site-packages); the system's programs and libraries are in its read-only view, and none
+of them gains privileges there (nosuid, no_new_privs). What it prints past 4 MiB fails
+the run.
 ``reward.sandbox: remote`` sends each run to an HTTP sandbox service instead
 (``reward.sandbox_url``; protocol in `mcore_rl.rewards.sandbox.protocol`), for machines
 that do not permit user namespaces. Measured with ``mcore-rl bench sandbox``
@@ -34,21 +36,28 @@ on a loaded 2-core machine, a run costs about 35 ms (median), 1.05 to 1.4 times,
 1.1 times, the 30-35 ms of the former sandbox (``unshare -rn`` and rlimits, with the file
 system not isolated).
 
-Code tests run in the program's own interpreter after it: they are compiled before it runs
-and are never where it can read them, and the results leave the process after the last test
-only, behind a nonce, then the process ends at once. A program that exits before its tests,
-forges a results file or descriptor, hooks ``atexit`` or replaces what the harness uses
-(AssertionError, compile, exec, json.dumps) gains nothing; one crafted to tamper with the
-interpreter it shares with the tests (e.g. to find the nonce) could still forge them,
-whereas stdin/stdout tests are compared outside the sandbox.
+Where every code test is ``assert EXPR == LITERAL`` (the literal on either side, as in most
+code datasets), only the expressions enter the sandbox: each value comes back as a literal
+(made of Python's builtin types; anything else fails its test) and is compared here with
+the expected one, which the program never sees. Knowing what to report is then solving the
+task, whatever the program does to the interpreter it runs in. Other code tests run in the
+program's own interpreter after it: they are compiled before it runs and are never where
+it can read them, and the results leave the process after the last test only, behind a
+nonce, then the process ends at once. A program that exits before its tests, forges a
+results file or descriptor, leaves a process behind to rewrite them, hooks ``atexit`` or
+replaces what the harness uses (AssertionError, compile, exec, json.dumps) gains nothing;
+one crafted to tamper with the interpreter it shares with such tests (e.g. to find the
+nonce) could still forge them. Stdin/stdout tests are compared outside the sandbox too.
 
 Where the configured sandbox cannot run a program, the reward refuses to start, with one
 line, when the scorer is built: programs never run unsandboxed.
 """
 from __future__ import annotations
 
+import ast
 import re
 from functools import lru_cache, partial
+from typing import Any
 
 from mcore_rl.rewards.registry import REWARDS, RewardFailure, RewardTimeout
 from mcore_rl.rewards.sandbox import Run, RunResult, SandboxError, SandboxLimits, build_sandbox
@@ -104,16 +113,59 @@ def _ended_normally(result: RunResult) -> RunResult:
     return result
 
 
+def value_test(test: str) -> tuple[str, Any] | None:
+    """``assert EXPR == LITERAL`` (the literal on either side): EXPR's source and the
+    literal's value; None for any other test."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError):
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        return None
+    check = tree.body[0].test
+    if not (isinstance(check, ast.Compare) and len(check.ops) == 1
+            and isinstance(check.ops[0], ast.Eq)):
+        return None
+    for expr, literal in ((check.left, check.comparators[0]), (check.comparators[0], check.left)):
+        expected = _literal(literal)
+        if expected is not _NOT_LITERAL and _literal(expr) is _NOT_LITERAL:
+            return ast.get_source_segment(test, expr), expected
+    return None
+
+
+_NOT_LITERAL = object()
+
+
+def _literal(node_or_text) -> Any:
+    """`ast.literal_eval` of a node or text, `_NOT_LITERAL` where it is not a literal."""
+    try:
+        return ast.literal_eval(node_or_text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _NOT_LITERAL
+
+
+def _sandbox_results(sandbox, run: Run) -> tuple:
+    result = _ended_normally(sandbox.run(run))
+    if result.results is None or len(result.results) != len(run.tests):
+        raise SandboxError(f"the sandbox reported {result.results!r:.60} for "
+                           f"{len(run.tests)} tests")
+    return result.results
+
+
 def run_tests(program: str, code_tests: list[str], io_tests: list[tuple[str, str]],
               sandbox) -> int:
-    """How many tests the program passes (raises when a run does not end normally)."""
+    """How many tests the program passes (raises when a run does not end normally). Where
+    every code test is ``assert EXPR == LITERAL``, only the expressions enter the sandbox
+    (mode ``values``) and their values are compared here."""
     passed = 0
-    if code_tests:
-        result = _ended_normally(sandbox.run(Run(program, "tests", tuple(code_tests))))
-        if result.results is None or len(result.results) != len(code_tests):
-            raise SandboxError(f"the sandbox reported {result.results!r:.60} for "
-                               f"{len(code_tests)} tests")
-        passed += sum(result.results)
+    values = [value_test(t) for t in code_tests]
+    if code_tests and all(v is not None for v in values):
+        got = _sandbox_results(sandbox, Run(program, "values", tuple(e for e, _ in values)))
+        for text, (_, expected) in zip(got, values):
+            value = _NOT_LITERAL if not isinstance(text, str) else _literal(text)
+            passed += value is not _NOT_LITERAL and bool(value == expected)
+    elif code_tests:
+        passed += sum(_sandbox_results(sandbox, Run(program, "tests", tuple(code_tests))))
     for stdin, expected in io_tests:
         result = _ended_normally(sandbox.run(Run(program, "main", stdin=stdin)))
         passed += _normalized(result.stdout) == _normalized(expected)

@@ -10,7 +10,7 @@ import pytest
 
 from mcore_rl.config.sections import RewardConfig
 from mcore_rl.rewards import RewardError, RewardScorer
-from mcore_rl.rewards.code_execution import code_reward, extract_program
+from mcore_rl.rewards.code_execution import code_reward, extract_program, value_test
 from tests.rewards.unsandboxed import Unsandboxed
 
 ADD_TESTS = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 5) == 5"]}
@@ -41,6 +41,38 @@ def test_score_is_the_fraction_of_code_and_stdin_tests_passed():
         scores, metrics = s.score([""] * 4, responses, [ADD_TESTS] * 3 + [io])
     assert scores.tolist() == pytest.approx([1.0, 1 / 3, 1 / 3, 0.75])
     assert metrics["reward/failures"] == metrics["reward/timeouts"] == 0
+
+
+def test_an_assert_of_an_expression_equal_to_a_literal_is_a_value_test_and_nothing_else_is():
+    assert value_test("assert add(1, 2) == 3") == ("add(1, 2)", 3)
+    assert value_test("assert [1, (2, 'a')] == f(x)[0]") == ("f(x)[0]", [1, (2, "a")])
+    assert value_test("assert add(1, 2) == 3, 'message'") == ("add(1, 2)", 3)
+    for other in ("assert add(1, 2) != 3", "assert add(1, 2) == 3 == x", "assert f(x) == y",
+                  "assert 3 == 3", "assert f(x)", "x = 1\nassert f(x) == 2", "f(1) == 2",
+                  "assert f(x) == ", "assert f(x) == 1 + 2"):
+        assert value_test(other) is None, other
+
+
+def test_values_compare_as_the_same_assert_would_for_builtin_types_and_fail_otherwise():
+    """Only expressions enter the sandbox; what comes back is compared here."""
+    program = """
+import collections
+def f(kind):
+    return {"named tuple": collections.namedtuple("P", "x y")(1, 2),
+            "ordered dict": collections.OrderedDict(a=1), "frozenset": frozenset({1, 2}),
+            "true": True, "float": 2.0, "str subclass": type("S", (str,), {})("ab"),
+            "fraction": __import__("fractions").Fraction(1, 2), "raises": None}[kind]
+def g():
+    raise ValueError
+"""
+    tests = ["assert f('named tuple') == (1, 2)", "assert f('ordered dict') == {'a': 1}",
+             "assert f('frozenset') == {1, 2}", "assert f('true') == 1", "assert f('float') == 2",
+             "assert f('str subclass') == 'ab'", "assert 0.5 == f('fraction')", "assert g() == 1",
+             "assert f('true') == 0"]
+    passed = [code_reward("", program, {"tests": [t]}) for t in tests]
+    # the same asserts in one interpreter pass the first 7 (a Fraction equals 0.5); here
+    # a value of a type that is not builtin fails, since it cannot leave the sandbox
+    assert passed == [1.0] * 6 + [0.0, 0.0, 0.0]
 
 
 def test_an_infinite_loop_times_out_to_failure_score_without_stalling():

@@ -345,6 +345,23 @@ FAKES = {
         os.write(3, b"[1, 1, 1]")
         os._exit(0)
     """,
+    "reads the nonce and the tests from the harness's frame": """
+        import os, sys
+        seen = sys._getframe(1).f_locals
+        forged = [1] * len(seen["tests"]) if seen["mode"] == "tests" else \
+            [repr(True)] * len(seen["tests"])  # the expected values never enter the sandbox
+        os.write(seen["results_fd"], f"{seen['nonce']} {forged}".replace("'", '"').encode())
+        os._exit(0)
+    """,
+    "returns a value equal to everything": """
+        class Anything:
+            def __eq__(self, other):
+                return True
+            def __repr__(self):
+                return "3"
+        def add(a, b):
+            return Anything()
+    """,
     "rewrites the harness": """
         import sys
         for name in ("harness", "namespace_init", "__main__"):
@@ -363,6 +380,35 @@ def test_a_program_that_fakes_its_tests_scores_zero(sandbox, fake):
     before = sandbox_sources()
     assert score(sandbox, WRONG_ADD + textwrap.dedent(FAKES[fake]), ADD_TESTS) == 0.0
     assert sandbox_sources() == before
+
+
+ORPHAN_REWRITES = """
+import os, time
+if os.fork() == 0:  # left running: once the harness has reported, turn every 0 into a 1
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        report = os.pread(3, 4096, 0)
+        if report:
+            nonce, _, body = report.partition(b" ")
+            os.pwrite(3, nonce + b" " + body.replace(b"0", b"1"), 0)
+            break
+    os._exit(0)
+"""
+
+
+def test_a_process_the_program_leaves_running_cannot_rewrite_its_results(sandbox):
+    """Code tests that are not ``EXPR == LITERAL`` report 1/0 from inside, through a pipe
+    the program can add to but not read or rewrite (a file it could: this scored 1)."""
+    tests = ["assert add(1, 2) in (3,)", "assert add(2, 2) in (4,)", "assert add(0, 5) in (5,)"]
+    result = sandbox.run(Run(WRONG_ADD + ORPHAN_REWRITES, "tests", tuple(tests)))
+    assert result.status == "ok" and result.results == (0, 0, 0), result
+    assert score(sandbox, RIGHT_ADD + ORPHAN_REWRITES, tests) == 1.0
+
+
+def test_output_past_the_reported_size_fails_the_run_instead_of_reaching_the_trainer(sandbox):
+    result = sandbox.run(Run("import sys\nsys.stdout.write('x' * (5 << 20))", "main"))
+    assert result.status == "failure" and "printed 5242880 bytes" in result.message, result
+    assert result.stdout == ""
 
 
 @pytest.mark.parametrize("fake", ["atexit rewrites the results",

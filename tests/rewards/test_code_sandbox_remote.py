@@ -92,6 +92,22 @@ def test_the_service_refuses_a_request_that_is_not_a_run(service):
     assert "'program' is missing or invalid" in json.loads(err.value.read())["error"]
 
 
+@pytest.mark.parametrize("length", ["-1", "many"])
+def test_the_service_refuses_a_length_that_is_not_a_size_before_reading_the_body(service, length):
+    import http.client
+
+    host, port = service.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    conn.putrequest("POST", "/run")
+    conn.putheader("Content-Length", length)
+    conn.endheaders()
+    conn.send(b'{"program": "print(1)", "mode": "main", "tests": []}')  # not read: no EOF
+    answer = conn.getresponse()
+    assert answer.status == 400
+    assert "Content-Length must be a non-negative integer" in json.loads(answer.read())["error"]
+    conn.close()
+
+
 class _Broken(BaseHTTPRequestHandler):
     """Answers every request with ``server.answer`` (status, body), counting them."""
 

@@ -11,14 +11,17 @@ allow-listed environment and no open file descriptors but pipes to its parent: 0
 2. **The init** (PID 1) builds the file system the program sees and pivots into it
    (`root_view`), makes itself non-dumpable (the program cannot read its memory, fds or
    environment) and forks the program's process.
-3. **The program's process** gets stdin, stdout, stderr and a results file as memfds at
-   fds 0-3, becomes uid/gid 65534 with no capabilities (the bounding set emptied too) and
+3. **The program's process** gets stdin, stdout and stderr as memfds at fds 0-2 and the
+   write end of a results pipe at fd 3 (what is written there can be added to, not
+   rewritten), becomes uid/gid 65534 with no capabilities (the bounding set emptied too) and
    no_new_privs, sets its rlimits (address space, CPU time, file size, processes, no core
    dumps), tells the init its setup worked, closes every other descriptor and runs
    `harness` in-process.
-4. The init reaps it, writes one JSON report on stdout (``exit``: status or -signal,
-   ``stdout``, ``stderr``: its tail, ``results``: the code tests' 1/0 or null) and exits; the
-   kernel then kills whatever the program left in the PID namespace.
+4. The init reads the results pipe while the program runs, reaps it, kills and reaps
+   whatever it left running (so that nothing writes after it ended), writes one JSON
+   report on stdout (``exit``: status or -signal, ``stdout``: its first `STDOUT_BYTES`,
+   ``stdout_bytes``: its size, ``stderr``: its tail, ``results``: the code tests' 1/0, the
+   values of ``values`` mode, or null) and exits.
 
 A setup failure ends with exit status `SETUP_FAILED` and one line on stderr. Standard
 library only.
@@ -26,6 +29,7 @@ library only.
 import json
 import os
 import resource
+import select
 import signal
 import sys
 
@@ -42,6 +46,11 @@ SETUP_FAILED = 70
 NAMESPACES = (sc.CLONE_NEWUSER | sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWNET
               | sc.CLONE_NEWIPC | sc.CLONE_NEWUTS)
 STDERR_TAIL = 2000
+STDOUT_BYTES = 4 << 20
+"""The most of the program's output reported (its parent reads and parses the report: a
+program that prints more fails its run instead of filling the trainer's memory)."""
+RESULTS_BYTES = 1 << 20
+"""The most of the results file read (a larger one is not the harness's: tampered)."""
 _UNSHARE_HINTS = {1: "user namespaces are not permitted to this user",
                   28: "the user.max_user_namespaces limit is reached or 0",
                   22: "this kernel lacks one of the namespaces"}
@@ -103,15 +112,65 @@ def _read(fd: int, limit: int | None = None) -> bytes:
     return os.pread(fd, size - start, start)
 
 
-def _results(raw: bytes, nonce: str, count: int) -> list[int] | None:
-    """The harness's results, if that is all the file holds (anything else: tampered)."""
+def _results(raw: bytes, nonce: str, count: int, mode: str) -> list | None:
+    """The harness's results, if that is all the file holds (anything else: tampered):
+    1/0 per test (``tests`` mode), a literal or null per expression (``values`` mode)."""
     head, _, body = raw.decode("utf-8", "replace").partition(" ")
     try:
         results = json.loads(body) if head == nonce else None
     except ValueError:
         return None
-    ok = isinstance(results, list) and len(results) == count and set(results) <= {0, 1}
+    if not isinstance(results, list) or len(results) != count:
+        return None
+    if mode == "values":
+        ok = all(r is None or isinstance(r, str) for r in results)
+    else:
+        ok = all(type(r) is int and r in (0, 1) for r in results)
     return results if ok else None
+
+
+def end_the_rest() -> None:
+    """Kill every other process of the PID namespace (what the program started and left
+    running) and reap them all."""
+    try:
+        os.kill(-1, signal.SIGKILL)  # from its init: every process of the namespace but it
+    except ProcessLookupError:
+        pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def collect(child: int, results_r: int) -> tuple[int, bytes]:
+    """The program's process's wait status and what was written to the results pipe (its
+    first `RESULTS_BYTES` and one more), read while it runs; once it has ended, whatever
+    it left running is killed (`end_the_rest`), which closes the pipe's last write ends."""
+    data = bytearray()
+
+    def take(chunk: bytes) -> None:
+        data.extend(chunk[:max(0, RESULTS_BYTES + 1 - len(data))])
+
+    pidfd = os.pidfd_open(child)
+    poll = select.poll()
+    poll.register(pidfd, select.POLLIN)
+    poll.register(results_r, select.POLLIN)
+    ended = False
+    while not ended:
+        for fd, _ in poll.poll():
+            if fd == pidfd:
+                ended = True
+            else:
+                chunk = os.read(results_r, 1 << 16)
+                take(chunk)
+                if not chunk:
+                    poll.unregister(results_r)
+    _, status = os.waitpid(child, 0)
+    end_the_rest()
+    while chunk := os.read(results_r, 1 << 16):
+        take(chunk)
+    return status, bytes(data)
 
 
 def init(job: dict) -> None:
@@ -120,7 +179,8 @@ def init(job: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # an init ignores what it does not handle
     try:
         root_view.build_and_enter({"solution.py": job["program"]}, job["workdir_mb"], SANDBOX_ID)
-        fds = tuple(os.memfd_create(name) for name in ("stdin", "stdout", "stderr", "results"))
+        results_r, results_w = os.pipe()  # the program may append to it, never rewrite it
+        fds = (*(os.memfd_create(name) for name in ("stdin", "stdout", "stderr")), results_w)
         os.write(fds[0], job["stdin"].encode())
         os.lseek(fds[0], 0, os.SEEK_SET)
         nonce = os.urandom(16).hex()
@@ -132,18 +192,17 @@ def init(job: dict) -> None:
     if child == 0:
         run_program(job, fds, nonce, setup_w)
     os.close(setup_w)
+    os.close(results_w)
     with os.fdopen(setup_r, "rb") as f:
         setup = f.read().decode("utf-8", "replace")
-    while True:  # orphans of the program are reparented here: reap them too
-        pid, status = os.waitpid(-1, 0)
-        if pid == child:
-            break
+    status, results = collect(child, results_r)
     if setup != "ok":
         fail(f"the program's process could not be set up: {setup or 'it died'}")
     report = {"exit": os.waitstatus_to_exitcode(status),
-              "stdout": _read(fds[1]).decode("utf-8", "replace"),
+              "stdout": os.pread(fds[1], STDOUT_BYTES, 0).decode("utf-8", "replace"),
+              "stdout_bytes": os.lseek(fds[1], 0, os.SEEK_END),
               "stderr": _read(fds[2], STDERR_TAIL).decode("utf-8", "replace"),
-              "results": _results(_read(fds[3], 1 << 20), nonce, len(job["tests"]))}
+              "results": _results(results, nonce, len(job["tests"]), job["mode"])}
     sys.stdout.write(json.dumps(report))
     sys.stdout.flush()
     os._exit(0)

@@ -31,6 +31,7 @@ from mcore_rl.rewards.sandbox.protocol import Run, RunResult, SandboxError, Sand
 INIT = Path(__file__).with_name("namespace_init.py")
 SANDBOX_ID = 65534  # as in namespace_init, which imports nothing of this package
 SETUP_FAILED = 70  # namespace_init's exit status when it cannot set the sandbox up
+STDOUT_BYTES = 4 << 20  # the most of a program's output namespace_init reports
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp",
        "PYTHONDONTWRITEBYTECODE": "1"}
 """The whole environment of the sandbox: nothing of the trainer's."""
@@ -85,13 +86,16 @@ def _result(code: int, out: bytes, err: bytes, mode: str) -> RunResult:
         how = f"signal {-code}" if code < 0 else f"exit status {code}"
         return RunResult("failure", message=f"the sandbox ended with {how} and no report: {line}")
     exit_code = report["exit"]
+    if report["stdout_bytes"] > len(report["stdout"].encode()):
+        return RunResult("failure", message=f"the program printed {report['stdout_bytes']} "
+                                            f"bytes, more than the {STDOUT_BYTES} reported")
     if exit_code != 0:
         how = f"signal {-exit_code}" if exit_code < 0 else f"exit status {exit_code}"
         last = (report["stderr"].strip().splitlines() or [""])[-1][:200]
         return RunResult("failure", report["stdout"],
                          message=f"the program ended with {how}" + (f": {last}" if last else ""))
     results = report["results"]
-    if mode == "tests" and results is None:
+    if mode in ("tests", "values") and results is None:
         return RunResult("failure", report["stdout"],
                          message="the program ended before reporting its tests' results")
     return RunResult("ok", report["stdout"], None if results is None else tuple(results))

@@ -6,9 +6,11 @@ The service takes ``POST <reward.sandbox_url>`` with ``Content-Type: application
 
     {"program": "def add(a, b): ...",      # Python source
      "mode": "tests",                     # "tests": run it as module `solution`, then each
-                                          #   test in its namespace; "main": as __main__
+                                          #   test in its namespace; "values": the same,
+                                          #   each test an expression; "main": as __main__
      "tests": ["assert add(1, 2) == 3"],  # mode "tests": Python code, passes if it raises
-                                          #   nothing (mode "main": [])
+                                          #   nothing; mode "values": expressions, e.g.
+                                          #   "add(1, 2)" (mode "main": [])
      "stdin": "",                         # the program's standard input
      "time_limit_s": 5.0,                 # wall-clock limit of the run
      "memory_mb": 512}                    # address-space limit
@@ -18,7 +20,9 @@ and answers ``200`` with::
     {"status": "ok",         # "ok": ended normally; "failure": crashed, was killed or exited
                              #   non-zero; "timeout": ran past time_limit_s
      "stdout": "...",        # the program's standard output
-     "results": [1],         # mode "tests" and status "ok": 1/0 per test, else null
+     "results": [1],         # status "ok": mode "tests": 1/0 per test; mode "values":
+                             #   per expression its value as a Python literal ("3"), or
+                             #   null where it raised or is not of builtin types; else null
      "message": ""}          # why it failed, one line (empty when ok)
 
 Any other answer (status code, body) is a fault of the service, not of the program: the
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 STATUSES = ("ok", "failure", "timeout")
+MODES = ("tests", "values", "main")
 
 
 class SandboxError(RuntimeError):
@@ -48,10 +53,11 @@ class SandboxLimits:
 
 @dataclass(frozen=True)
 class Run:
-    """One run of a program: its tests (mode ``tests``) or its stdin (mode ``main``)."""
+    """One run of a program: its tests (mode ``tests``), the values of expressions after it
+    (mode ``values``) or its stdin (mode ``main``)."""
 
     program: str
-    mode: Literal["tests", "main"]
+    mode: Literal["tests", "values", "main"]
     tests: tuple[str, ...] = ()
     stdin: str = ""
 
@@ -70,7 +76,7 @@ class Run:
             return value
 
         program = field("program", str)
-        mode = field("mode", str, lambda v: v in ("tests", "main"))
+        mode = field("mode", str, lambda v: v in MODES)
         tests = field("tests", list, lambda v: all(isinstance(t, str) for t in v))
         run = Run(program, mode, tuple(tests), field("stdin", str))
         limits = SandboxLimits(float(field("time_limit_s", (int, float), lambda v: v > 0)),
@@ -81,11 +87,12 @@ class Run:
 @dataclass(frozen=True)
 class RunResult:
     """How a run ended (``status`` in `STATUSES`), its stdout, and in mode ``tests`` the
-    1/0 result of each test (None unless the program ran to its end and reported them)."""
+    1/0 result of each test, in mode ``values`` each expression's value as a literal or
+    None (None unless the program ran to its end and reported them)."""
 
     status: str
     stdout: str = ""
-    results: tuple[int, ...] | None = None
+    results: tuple[int | str | None, ...] | None = None
     message: str = ""
 
     def to_json(self) -> dict:
@@ -100,10 +107,12 @@ class RunResult:
               and isinstance(data.get("stdout"), str) and isinstance(data.get("message", ""), str)
               and (data.get("results") is None
                    or (isinstance(data["results"], list)
-                       and all(r in (0, 1) for r in data["results"]))))
+                       and all(r is None or isinstance(r, str) or
+                               (isinstance(r, int) and r in (0, 1)) for r in data["results"]))))
         if not ok:
             raise SandboxError(f"the sandbox service's answer is not a run result: {data!r:.120}")
         results = data.get("results")
         return RunResult(data["status"], data["stdout"],
-                         None if results is None else tuple(int(r) for r in results),
+                         None if results is None else
+                         tuple(r if r is None or isinstance(r, str) else int(r) for r in results),
                          data.get("message", ""))

@@ -48,7 +48,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0:
+            self._answer(400, {"error": "Content-Length must be a non-negative integer"})
+            return
         if length > MAX_BODY_BYTES:
             self._answer(413, {"error": f"the request is larger than {MAX_BODY_BYTES} bytes"})
             return
