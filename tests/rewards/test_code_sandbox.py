@@ -405,6 +405,24 @@ def test_a_process_the_program_leaves_running_cannot_rewrite_its_results(sandbox
     assert score(sandbox, RIGHT_ADD + ORPHAN_REWRITES, tests) == 1.0
 
 
+NESTED_NAMESPACES = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+for name, flag in (("user", 0x10000000), ("user+net", 0x10000000 | 0x40000000),
+                   ("net", 0x40000000), ("mount", 0x00020000)):
+    print(name, libc.unshare(flag), os.strerror(ctypes.get_errno()))
+"""
+
+
+def test_the_program_can_make_no_namespace_of_its_own(sandbox):
+    """A user namespace of its own would give it every capability there (and with them
+    netfilter, mounts, ...); without one it has none to make the others."""
+    result = sandbox.run(Run(NESTED_NAMESPACES, "main"))
+    assert result.status == "ok", result
+    made = [line for line in result.stdout.splitlines() if line.split()[1] != "-1"]
+    assert not made, result.stdout
+
+
 def test_output_past_the_reported_size_fails_the_run_instead_of_reaching_the_trainer(sandbox):
     result = sandbox.run(Run("import sys\nsys.stdout.write('x' * (5 << 20))", "main"))
     assert result.status == "failure" and "printed 5242880 bytes" in result.message, result

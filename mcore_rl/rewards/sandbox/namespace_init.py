@@ -8,9 +8,9 @@ allow-listed environment and no open file descriptors but pipes to its parent: 0
    (`namespaces.write_id_maps`). It forks the init of the new PID namespace, writes the
    init's pid on FD (at the time limit the parent kills the init, which takes the whole
    namespace down, and this process still reaps it) and waits for it.
-2. **The init** (PID 1) builds the file system the program sees and pivots into it
-   (`root_view`), makes itself non-dumpable (the program cannot read its memory, fds or
-   environment) and forks the program's process.
+2. **The init** (PID 1) forbids user namespaces inside this one, builds the file system the
+   program sees and pivots into it (`root_view`), makes itself non-dumpable (the program
+   cannot read its memory, fds or environment) and forks the program's process.
 3. **The program's process** gets stdin, stdout and stderr as memfds at fds 0-2 and the
    write end of a results pipe at fd 3 (what is written there can be added to, not
    rewritten), becomes uid/gid 65534 with no capabilities (the bounding set emptied too) and
@@ -46,6 +46,7 @@ SETUP_FAILED = 70
 NAMESPACES = (sc.CLONE_NEWUSER | sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWNET
               | sc.CLONE_NEWIPC | sc.CLONE_NEWUTS)
 STDERR_TAIL = 2000
+USER_NAMESPACE_LIMIT = "/proc/sys/user/max_user_namespaces"
 STDOUT_BYTES = 4 << 20
 """The most of the program's output reported (its parent reads and parses the report: a
 program that prints more fails its run instead of filling the trainer's memory)."""
@@ -143,6 +144,18 @@ def end_the_rest() -> None:
             return
 
 
+def no_nested_user_namespaces() -> None:
+    """No user namespace can be made inside this one (its limit, which is this namespace's
+    own, is 0): the program cannot gain capabilities in a namespace of its own, from which
+    more of the kernel (mounts, netfilter, ...) would be reachable."""
+    try:
+        with open(USER_NAMESPACE_LIMIT, "w") as f:
+            f.write("0")
+    except OSError as err:
+        raise OSError(err.errno, f"cannot set {USER_NAMESPACE_LIMIT} to 0 in the sandbox's user "
+                                 f"namespace: {err.strerror}") from None
+
+
 def collect(child: int, results_r: int) -> tuple[int, bytes]:
     """The program's process's wait status and what was written to the results pipe (its
     first `RESULTS_BYTES` and one more), read while it runs; once it has ended, whatever
@@ -178,6 +191,7 @@ def init(job: dict) -> None:
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # an init ignores what it does not handle
     try:
+        no_nested_user_namespaces()
         root_view.build_and_enter({"solution.py": job["program"]}, job["workdir_mb"], SANDBOX_ID)
         results_r, results_w = os.pipe()  # the program may append to it, never rewrite it
         fds = (*(os.memfd_create(name) for name in ("stdin", "stdout", "stderr")), results_w)
