@@ -18,7 +18,7 @@ import time
 from mcore_rl.data.batch import Batch
 from mcore_rl.errors import StopRequested
 from mcore_rl.rl import phases
-from mcore_rl.rl.group_batch import assemble_groups, token_staleness
+from mcore_rl.rl.group_batch import assemble_groups, stream_position, token_staleness
 from mcore_rl.rl.setup import RunState
 from mcore_rl.rl.staleness import within_staleness
 from mcore_rl.rl.step_metrics import rollout_metrics, validation_metrics
@@ -31,20 +31,27 @@ def train_step(state: RunState, batch: Batch) -> dict[str, float] | None:
     until a step has enough, groups older than ``train.max_staleness`` versions are
     dropped, then `learn`. None when the batch makes no step (pooled, or none fresh)."""
     extra: dict[str, float] = {}
+    arrived: set = set()
     if "group_key" in batch.meta:  # prompt groups that arrived one by one
         batch, extra = assemble_groups(batch)
         check_once(state, batch)
-    state.prompts.position += batch.info.get("prompts", 0)  # what a checkpoint records
+        arrived = {tuple(k) for k in batch.meta["group_key"]}
+    else:  # a step's prompts, in stream order
+        state.prompts.position += batch.info.get("prompts", 0)  # what a checkpoint records
     batch = phases.with_scores(state, phases.mark_truncated(state.cfg, batch), batch["scores"])
     if state.dynamic is not None:  # pool informative groups until a step has enough
         batch, dynamic = state.dynamic.offer(batch)
-        if batch is None:
-            return None
-        extra |= dynamic
+        if dynamic:
+            extra |= dynamic
+    if arrived or state.pooled_keys:
+        take_groups(state, arrived)
+    if batch is None:
+        return None
     fresh, staleness = within_staleness(batch, state.weight_version, state.cfg.train.max_staleness)
     extra = staleness | token_staleness(fresh if fresh is not None else batch,
                                         state.weight_version) | extra
     state.stale_dropped += staleness["rollout/stale_dropped"]
+    state.stale_dropped_groups += staleness["rollout/stale_dropped_groups"]
     if fresh is None:  # nothing young enough to train on: no step
         return None
     state.step += 1
@@ -55,10 +62,29 @@ def train_step(state: RunState, batch: Batch) -> dict[str, float] | None:
     generated_with = min(fresh.meta["weight_version"])
     metrics = learn(state, fresh, timer) | extra | {
         "rollout/stale_dropped": state.stale_dropped,
+        "rollout/stale_dropped_groups": state.stale_dropped_groups,
         "rollout/weight_version": float(generated_with),
         "weight_version": float(state.weight_version)}
-    state.stale_dropped = 0.0
+    state.stale_dropped = state.stale_dropped_groups = 0.0
     return metrics
+
+
+def take_groups(state: RunState, arrived: set) -> None:
+    """Record the streamed groups the trainer has now taken: those that ``arrived``, and
+    those dynamic sampling held, unless its pool still holds them. A checkpoint records the
+    first stream position not taken (``prompts.position``) and the positions past it that
+    were (``taken_ahead``): groups finish out of stream order, and a resumed run generates
+    exactly the others (`mcore_rl.roles.graph.group_items`)."""
+    pool = state.dynamic.pool if state.dynamic is not None else None
+    pooled = {tuple(k) for k in pool.meta["group_key"]} \
+        if pool is not None and "group_key" in pool.meta else set()
+    waiting = arrived | state.pooled_keys
+    state.pooled_keys = waiting & pooled
+    per_step = state.cfg.data.prompts_per_step
+    state.taken_ahead.update(stream_position(k, per_step) for k in waiting - pooled)
+    while state.prompts.position in state.taken_ahead:
+        state.taken_ahead.remove(state.prompts.position)
+        state.prompts.position += 1
 
 
 def check_once(state: RunState, batch: Batch) -> None:
@@ -133,6 +159,7 @@ def resume_or_warm_start(state: RunState) -> None:
     if path is not None:
         run = state.checkpoints.load(path, state.trained_engines())
         state.step, state.prompts.position = run["step"], run["data_position"]
+        state.taken_ahead = set(run.get("data_taken_ahead", ()))
         state.kl.load_state_dict(run["kl"])
         state.weight_version = run["weight_version"] - 1
         phases.sync_weights(state)  # the engine gets the checkpoint's weights
@@ -163,7 +190,8 @@ def save_checkpoint(state: RunState, checkpoints=None):
         engine.reload()
     try:
         return (checkpoints or state.checkpoints).save(state.step, state.trained_engines(), {
-            "data_position": state.prompts.position, "kl": state.kl.state_dict(),
+            "data_position": state.prompts.position,
+            "data_taken_ahead": sorted(state.taken_ahead), "kl": state.kl.state_dict(),
             "weight_version": state.weight_version})
     finally:
         for engine in offloaded:

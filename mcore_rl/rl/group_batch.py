@@ -37,6 +37,13 @@ def assemble_groups(batch: Batch) -> tuple[Batch, dict[str, float]]:
     return batch, metrics
 
 
+def stream_position(key: tuple[int, int], per_step: int) -> int:
+    """The prompt stream position of a streamed group from its key (step, index), which
+    `mcore_rl.roles.graph.group_items` numbers by that position."""
+    step, index = key
+    return (step - 1) * per_step + index
+
+
 def token_staleness(batch: Batch, current_version: int) -> dict[str, float]:
     """Staleness of every response token (the version being updated minus the one that
     generated it): ``rollout/token_staleness_max`` and ``_mean``."""

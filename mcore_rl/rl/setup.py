@@ -58,6 +58,14 @@ class RunState:
     """The latest step's rollout batch (for sample logs)."""
     stale_dropped: float = 0.0
     """Samples dropped as too stale since the last step (reported with the next one)."""
+    stale_dropped_groups: float = 0.0
+    """Their prompt groups."""
+    taken_ahead: set = field(default_factory=set)
+    """Stream positions past ``prompts.position`` whose streamed prompt groups the trainer
+    has taken (they arrive in the order they finish; `mcore_rl.trainer.take_groups`)."""
+    pooled_keys: set = field(default_factory=set)
+    """Keys of streamed groups that arrived but wait in dynamic sampling's pool (not taken
+    yet: a resumed run generates them again)."""
     groups_seen: set = field(default_factory=set)
     """(step, index) of every prompt group taken (`mcore_rl.trainer.check_once`)."""
     dynamic: InformativeGroups | None = None

@@ -17,7 +17,7 @@ def within_staleness(batch: Batch, current_version: int, max_staleness: int
                      ) -> tuple[Batch | None, dict[str, float]]:
     """The samples at most ``max_staleness`` versions older than ``current_version`` (None:
     none left) and the metrics: the staleness of the samples kept (what the update trains
-    on), and how many samples were dropped."""
+    on), and how many samples and prompt groups were dropped."""
     versions = torch.tensor(batch.meta["weight_version"], dtype=torch.long)
     staleness = current_version - versions
     groups = batch["group_id"]
@@ -26,7 +26,8 @@ def within_staleness(batch: Batch, current_version: int, max_staleness: int
     trained = staleness[keep] if bool(keep.any()) else staleness
     metrics = {"rollout/staleness_max": float(trained.max()),
                "rollout/staleness_mean": float(trained.float().mean()),
-               "rollout/stale_dropped": float((~keep).sum())}
+               "rollout/stale_dropped": float((~keep).sum()),
+               "rollout/stale_dropped_groups": float(len(stale_groups))}
     if bool(keep.all()):
         return batch, metrics
     if not bool(keep.any()):

@@ -56,18 +56,18 @@ def model_dir_for(cfg: RLConfig) -> Path:
     return write_initial_model(cfg)
 
 
-def resume_point(cfg: RLConfig) -> tuple[int, int]:
-    """(step, data position) the run continues from: those of the checkpoint that
-    ``checkpoint.resume`` selects, or (0, 0)."""
+def resume_point(cfg: RLConfig) -> tuple[int, int, tuple[int, ...]]:
+    """(step, data position, stream positions past it already taken) the run continues
+    from: those of the checkpoint that ``checkpoint.resume`` selects, or (0, 0, ())."""
     from mcore_rl.rl.setup import trained_parts
     from mcore_rl.train.run_checkpoints import RunCheckpoints
 
     path = RunCheckpoints.for_config(cfg).resolve_resume(cfg.checkpoint.resume, trained_parts(cfg),
                                                          cfg.logging.dir).path
     if path is None:
-        return 0, 0
+        return 0, 0, ()
     run = json.loads((Path(path) / "run_state.json").read_text())
-    return run["step"], run["data_position"]
+    return run["step"], run["data_position"], tuple(run.get("data_taken_ahead", ()))
 
 
 def prompt_items(cfg_data: dict, start_step: int, position: int) -> Iterator[dict]:
@@ -91,12 +91,31 @@ def prompt_items(cfg_data: dict, start_step: int, position: int) -> Iterator[dic
         yield {"step": step, "prompts": [{"prompt": r.prompt, **r.meta} for r in records]}
 
 
-def group_items(cfg_data: dict, start_step: int, position: int) -> Iterator[dict]:
+def group_items(cfg_data: dict, start_step: int, position: int,
+                taken_ahead: tuple[int, ...] = ()) -> Iterator[dict]:
     """The prompts of `prompt_items` one by one: ``{"step", "index", "prompt"}`` (index:
-    the prompt's place in its step), the items when prompt groups stream through engines."""
-    for item in prompt_items(cfg_data, start_step, position):
-        for index, prompt in enumerate(item["prompts"]):
-            yield {"step": item["step"], "index": index, "prompt": prompt}
+    the prompt's place in its step), the items when prompt groups stream through engines.
+    Groups reach the trainer in the order they finish, so a resumed run starts at the
+    first stream position not taken and skips ``taken_ahead``, those past it it had taken;
+    a group is numbered by its stream position (``step``: position // prompts_per_step + 1),
+    as the uninterrupted run numbers it, which seeds its sampling."""
+    from mcore_rl.config import config_from_dict
+    from mcore_rl.data.prompts import PromptStream, load_prompt_records
+
+    cfg = config_from_dict(cfg_data) if isinstance(cfg_data, dict) else cfg_data
+    stream = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
+    stream.position = position
+    per_step = cfg.data.prompts_per_step
+    rounds = 1 + (cfg.algorithm.dynamic_sampling_max_rounds if cfg.algorithm.dynamic_sampling else 0)
+    skip, left = set(taken_ahead), (cfg.train.steps - start_step) * rounds * per_step
+    while left > 0:
+        at = stream.position
+        (record,) = stream.take(1)
+        if at in skip:
+            continue
+        left -= 1
+        yield {"step": at // per_step + 1, "index": at % per_step,
+               "prompt": {"prompt": record.prompt, **record.meta}}
 
 
 def group_key(item: dict) -> tuple[int, int]:
@@ -177,7 +196,7 @@ def rl_graph(cfg: RLConfig, model_dir: Path, stop: Any = None, gpus: bool = Fals
     by_groups = streams_groups(cfg) and not driven
     groups = cfg.data.prompts_per_step if by_groups else 1
     rollout, scored = DataStream("rollout", groups), DataStream("scored", groups)
-    step, position = (0, 0) if driven or plan_only else resume_point(cfg)
+    step, position, taken_ahead = (0, 0, ()) if driven or plan_only else resume_point(cfg)
     own = None if by_groups or driven else factory(prompt_items, data, step, position)
     engines = [f"engine/{i}" for i in range(r.replicas)]
     role = ContinuousGenerate if by_groups else Generate
@@ -207,7 +226,8 @@ def rl_graph(cfg: RLConfig, model_dir: Path, stop: Any = None, gpus: bool = Fals
                             else None)
     graph = ControllerGroup([*rollouts, reward, trainer])
     if by_groups:  # the driver feeds the groups: the replicas take them by load
-        return JobGraph(graph, data=group_items(data, step, position), max_in_flight=max_in_flight(cfg))
+        return JobGraph(graph, data=group_items(data, step, position, taken_ahead),
+                        max_in_flight=max_in_flight(cfg))
     return JobGraph(graph, max_in_flight=None if fused else max_in_flight(cfg))
 
 

@@ -93,7 +93,7 @@ def test_a_dead_replica_is_replaced_and_every_prompt_is_trained_once(tmp_path, k
     trained = trained_identities(run)
     twice = {k: v for k, v in trained.items() if len(v) > 1}
     assert not twice, f"trained in more than one step: {twice}"
-    dropped = sum(history[s].get("rollout/stale_dropped", 0) for s in history)
+    dropped = sum(history[s].get("rollout/stale_dropped_groups", 0) for s in history)
     expected = stream_identities(STEPS, PROMPTS)
     skipped = [k for k in expected if k not in trained]
     assert set(trained) <= set(expected)

@@ -117,7 +117,7 @@ def test_every_prompt_is_trained_exactly_once_across_a_kill_and_resume(tmp_path,
     trained = trained_identities(run)
     twice = {k: v for k, v in trained.items() if len(v) > 1}
     assert not twice, f"trained in more than one step: {twice}"
-    dropped = sum(history[s].get("rollout/stale_dropped", 0) for s in history)
+    dropped = sum(history[s].get("rollout/stale_dropped_groups", 0) for s in history)
     expected = stream_identities(STEPS, 16)
     assert set(trained) <= set(expected)
     skipped = [k for k in expected if k not in trained]

@@ -17,7 +17,7 @@ def test_fresh_samples_pass_untouched_with_their_staleness_reported():
     kept, m = within_staleness(b, current_version=4, max_staleness=1)
     assert kept is b
     assert m == {"rollout/staleness_max": 1.0, "rollout/staleness_mean": 0.5,
-                 "rollout/stale_dropped": 0.0}
+                 "rollout/stale_dropped": 0.0, "rollout/stale_dropped_groups": 0.0}
 
 
 def test_a_group_with_any_sample_over_the_bound_is_dropped_whole():
@@ -25,7 +25,7 @@ def test_a_group_with_any_sample_over_the_bound_is_dropped_whole():
     kept, m = within_staleness(b, current_version=5, max_staleness=1)
     assert kept["group_id"].tolist() == [0, 0, 2, 2]
     assert kept.meta["weight_version"] == [5, 5, 5, 5]
-    assert m["rollout/stale_dropped"] == 2.0
+    assert (m["rollout/stale_dropped"], m["rollout/stale_dropped_groups"]) == (2.0, 1.0)
     assert m["rollout/staleness_max"] == 0.0  # of what is trained on: the kept groups
 
 
