@@ -141,6 +141,9 @@ class RunCheckpoints:
                                  f"checkpoint was written (the newest one in {self.root} stays)")
         path = self.root / f"step_{step:06d}"
         need = self._check_room(step, engines)
+        if dist.get_rank() == 0:  # saved again (a resumed run redoes a step): incomplete until
+            (path / "run_state.json").unlink(missing_ok=True)  # every part is the new one
+        dist.barrier()
         try:
             for name, engine in engines.items():
                 save_engine(engine, path / name)
