@@ -22,11 +22,11 @@ sees a read-only root holding only the standard library and the system libraries
 devices, a fresh /proc of its own PID namespace and a private writable /tmp (a 64 MiB
 tmpfs, its working directory); nothing of the host's home (but the path to an interpreter
 installed there), /tmp, /dev/shm, the trainer's directories or Unix sockets, and no network
-(its own loopback only). It runs as uid/gid 65534 with no capabilities and no_new_privs,
-cannot make namespaces of its own (none can gain it capabilities), an allow-listed
-environment and no inherited file descriptors, under rlimits: address space
+(its own loopback only). It runs as uid/gid 65534 with no capabilities and no_new_privs, an
+allow-listed environment and no inherited file descriptors, under rlimits: address space
 ``reward.code_memory_mb``, CPU time, file size, 64 processes and threads, no core dumps; at
-the time limit the whole tree is killed. It imports the standard library only (no
+the time limit the whole tree is killed. It can make no namespace of its own (user
+namespaces are forbidden inside its own, so none can give it capabilities). It imports the standard library only (no
 site-packages); the system's programs and libraries are in its read-only view, and none
 of them gains privileges there (nosuid, no_new_privs). What it prints past 4 MiB fails
 the run.
