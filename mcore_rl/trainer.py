@@ -41,8 +41,7 @@ def train_step(state: RunState, batch: Batch) -> dict[str, float] | None:
     batch = phases.with_scores(state, phases.mark_truncated(state.cfg, batch), batch["scores"])
     if state.dynamic is not None:  # pool informative groups until a step has enough
         batch, dynamic = state.dynamic.offer(batch)
-        if dynamic:
-            extra |= dynamic
+        extra |= dynamic
     if arrived or state.pooled_keys:
         take_groups(state, arrived)
     if batch is None:

@@ -26,10 +26,10 @@ installed there), /tmp, /dev/shm, the trainer's directories or Unix sockets, and
 allow-listed environment and no inherited file descriptors, under rlimits: address space
 ``reward.code_memory_mb``, CPU time, file size, 64 processes and threads, no core dumps; at
 the time limit the whole tree is killed. It can make no namespace of its own (user
-namespaces are forbidden inside its own, so none can give it capabilities). It imports the standard library only (no
-site-packages); the system's programs and libraries are in its read-only view, and none
-of them gains privileges there (nosuid, no_new_privs). What it prints past 4 MiB fails
-the run.
+namespaces are forbidden inside its own, so none can give it capabilities). It imports the
+standard library only (no site-packages); the system's programs and libraries are in its
+read-only view, and none of them gains privileges there (nosuid, no_new_privs). What it
+prints past 4 MiB fails the run.
 ``reward.sandbox: remote`` sends each run to an HTTP sandbox service instead
 (``reward.sandbox_url``; protocol in `mcore_rl.rewards.sandbox.protocol`), for machines
 that do not permit user namespaces. Measured with ``mcore-rl bench sandbox``

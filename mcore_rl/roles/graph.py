@@ -70,12 +70,9 @@ def resume_point(cfg: RLConfig) -> tuple[int, int, tuple[int, ...]]:
     return run["step"], run["data_position"], tuple(run.get("data_taken_ahead", ()))
 
 
-def prompt_items(cfg_data: dict, start_step: int, position: int) -> Iterator[dict]:
-    """One item per step to go: ``{"step", "prompts"}``, from the config's prompt source in
-    the order ``mcore-rl train`` takes them. With ``algorithm.dynamic_sampling`` a step may
-    take ``dynamic_sampling_max_rounds`` more items: there are that many more per step
-    (``step`` then numbers items, seeding their sampling), and the trainer ends the launch
-    once it has taken its last step."""
+def _prompt_stream(cfg_data: dict, position: int):
+    """(the config, its training prompt stream at ``position``, items per step: 1, or with
+    ``algorithm.dynamic_sampling`` 1 + its extra rounds)."""
     from mcore_rl.config import config_from_dict
     from mcore_rl.data.prompts import PromptStream, load_prompt_records
 
@@ -83,6 +80,16 @@ def prompt_items(cfg_data: dict, start_step: int, position: int) -> Iterator[dic
     stream = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
     stream.position = position
     rounds = 1 + (cfg.algorithm.dynamic_sampling_max_rounds if cfg.algorithm.dynamic_sampling else 0)
+    return cfg, stream, rounds
+
+
+def prompt_items(cfg_data: dict, start_step: int, position: int) -> Iterator[dict]:
+    """One item per step to go: ``{"step", "prompts"}``, from the config's prompt source in
+    the order ``mcore-rl train`` takes them. With ``algorithm.dynamic_sampling`` a step may
+    take ``dynamic_sampling_max_rounds`` more items: there are that many more per step
+    (``step`` then numbers items, seeding their sampling), and the trainer ends the launch
+    once it has taken its last step."""
+    cfg, stream, rounds = _prompt_stream(cfg_data, position)
     # Items number on from those the run took before (a step may take several), so a
     # resumed run samples as the uninterrupted one would: one item per step's prompts taken.
     done = position // cfg.data.prompts_per_step if cfg.algorithm.dynamic_sampling else start_step
@@ -99,14 +106,8 @@ def group_items(cfg_data: dict, start_step: int, position: int,
     first stream position not taken and skips ``taken_ahead``, those past it it had taken;
     a group is numbered by its stream position (``step``: position // prompts_per_step + 1),
     as the uninterrupted run numbers it, which seeds its sampling."""
-    from mcore_rl.config import config_from_dict
-    from mcore_rl.data.prompts import PromptStream, load_prompt_records
-
-    cfg = config_from_dict(cfg_data) if isinstance(cfg_data, dict) else cfg_data
-    stream = PromptStream(load_prompt_records(cfg.data, "train"), cfg.data.seed)
-    stream.position = position
+    cfg, stream, rounds = _prompt_stream(cfg_data, position)
     per_step = cfg.data.prompts_per_step
-    rounds = 1 + (cfg.algorithm.dynamic_sampling_max_rounds if cfg.algorithm.dynamic_sampling else 0)
     skip, left = set(taken_ahead), (cfg.train.steps - start_step) * rounds * per_step
     while left > 0:
         at = stream.position

@@ -107,9 +107,10 @@ def run_program(job: dict, fds: tuple[int, int, int, int], nonce: str, setup_fd:
         os._exit(status)
 
 
-def _read(fd: int, limit: int | None = None) -> bytes:
+def _tail(fd: int, limit: int) -> bytes:
+    """The last ``limit`` bytes of the file ``fd``."""
     size = os.lseek(fd, 0, os.SEEK_END)
-    start = 0 if limit is None else max(0, size - limit)
+    start = max(0, size - limit)
     return os.pread(fd, size - start, start)
 
 
@@ -215,7 +216,7 @@ def init(job: dict) -> None:
     report = {"exit": os.waitstatus_to_exitcode(status),
               "stdout": os.pread(fds[1], STDOUT_BYTES, 0).decode("utf-8", "replace"),
               "stdout_bytes": os.lseek(fds[1], 0, os.SEEK_END),
-              "stderr": _read(fds[2], STDERR_TAIL).decode("utf-8", "replace"),
+              "stderr": _tail(fds[2], STDERR_TAIL).decode("utf-8", "replace"),
               "results": _results(results, nonce, len(job["tests"]), job["mode"])}
     sys.stdout.write(json.dumps(report))
     sys.stdout.flush()
