@@ -23,6 +23,9 @@ from mcore_rl.rl.setup import RunState
 from mcore_rl.rl.staleness import within_staleness
 from mcore_rl.rl.step_metrics import rollout_metrics, validation_metrics
 
+DYNAMIC_POOL = "dynamic_sampling"
+"""The checkpoint object holding dynamic sampling's pool (`RunCheckpoints.load_object`)."""
+
 
 def train_step(state: RunState, batch: Batch) -> dict[str, float] | None:
     """One RL step from a scored rollout batch, whatever produced it (the rollout and reward
@@ -42,7 +45,7 @@ def train_step(state: RunState, batch: Batch) -> dict[str, float] | None:
     if state.dynamic is not None:  # pool informative groups until a step has enough
         batch, dynamic = state.dynamic.offer(batch)
         extra |= dynamic
-    if arrived or state.pooled_keys:
+    if arrived:
         take_groups(state, arrived)
     if batch is None:
         return None
@@ -69,18 +72,13 @@ def train_step(state: RunState, batch: Batch) -> dict[str, float] | None:
 
 
 def take_groups(state: RunState, arrived: set) -> None:
-    """Record the streamed groups the trainer has now taken: those that ``arrived``, and
-    those dynamic sampling held, unless its pool still holds them. A checkpoint records the
-    first stream position not taken (``prompts.position``) and the positions past it that
-    were (``taken_ahead``): groups finish out of stream order, and a resumed run generates
-    exactly the others (`mcore_rl.roles.graph.group_items`)."""
-    pool = state.dynamic.pool if state.dynamic is not None else None
-    pooled = {tuple(k) for k in pool.meta["group_key"]} \
-        if pool is not None and "group_key" in pool.meta else set()
-    waiting = arrived | state.pooled_keys
-    state.pooled_keys = waiting & pooled
+    """Record the streamed groups the trainer has now taken (those held in dynamic
+    sampling's pool included: a checkpoint keeps the pool). A checkpoint records the first
+    stream position not taken (``prompts.position``) and the positions past it that were
+    (``taken_ahead``): groups finish out of stream order, and a resumed run generates exactly
+    the others (`mcore_rl.roles.graph.group_items`)."""
     per_step = state.cfg.data.prompts_per_step
-    state.taken_ahead.update(stream_position(k, per_step) for k in waiting - pooled)
+    state.taken_ahead.update(stream_position(k, per_step) for k in arrived)
     while state.prompts.position in state.taken_ahead:
         state.taken_ahead.remove(state.prompts.position)
         state.prompts.position += 1
@@ -160,6 +158,9 @@ def resume_or_warm_start(state: RunState) -> None:
         state.step, state.prompts.position = run["step"], run["data_position"]
         state.taken_ahead = set(run.get("data_taken_ahead", ()))
         state.kl.load_state_dict(run["kl"])
+        pool = state.checkpoints.load_object(path, DYNAMIC_POOL) if state.dynamic else None
+        if pool is not None:  # the informative groups it held: trained as they would have been
+            state.dynamic.load_state_dict(pool)
         state.weight_version = run["weight_version"] - 1
         phases.sync_weights(state)  # the engine gets the checkpoint's weights
         state.log.truncate_after(state.step)
@@ -191,7 +192,8 @@ def save_checkpoint(state: RunState, checkpoints=None):
         return (checkpoints or state.checkpoints).save(state.step, state.trained_engines(), {
             "data_position": state.prompts.position,
             "data_taken_ahead": sorted(state.taken_ahead), "kl": state.kl.state_dict(),
-            "weight_version": state.weight_version})
+            "weight_version": state.weight_version},
+            objects={DYNAMIC_POOL: state.dynamic.state_dict()} if state.dynamic else None)
     finally:
         for engine in offloaded:
             engine.offload()

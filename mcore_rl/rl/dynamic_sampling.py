@@ -7,7 +7,9 @@ the groups whose scores differ, pools them across generation rounds until a step
 then trains on what it has, and ``rollout/dynamic_short_groups`` says how many groups it
 lacked (the warning metric). Groups beyond a step's need are kept for the next step only
 when the staleness bound allows one version of lag (``keep_surplus``); otherwise they are
-discarded and counted, since the update makes them one version old.
+discarded and counted, since the update makes them one version old. A checkpoint keeps
+the pool (`state_dict`), so a resumed run trains the groups it held as the uninterrupted run
+does.
 
 Pure bookkeeping on `Batch` (``group_id``, ``scores``): the RL graph's trainer
 (`mcore_rl.trainer.train_step`) feeds it a scored round at a time, whatever the placement.
@@ -83,6 +85,19 @@ class InformativeGroups:
             return None
         return cls(cfg.data.prompts_per_step, a.dynamic_sampling_max_rounds,
                    keep_surplus=cfg.train.max_staleness >= 1)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the pooled groups and the counters that number and report
+        them (a checkpoint follows a step, when the round counts start again)."""
+        pool = None if self.pool is None else {
+            "tensors": self.pool.tensors, "meta": self.pool.meta, "info": self.pool.info}
+        return {"pool": pool, "next_id": self._next_id, "discarded_groups": self.discarded_groups}
+
+    def load_state_dict(self, state: dict) -> None:
+        pool = state["pool"]
+        self.pool = None if pool is None else Batch(pool["tensors"], pool["meta"], pool["info"])
+        self._next_id = state["next_id"]
+        self.discarded_groups = state["discarded_groups"]
 
     @property
     def pooled_groups(self) -> int:

@@ -63,13 +63,11 @@ class RunState:
     taken_ahead: set = field(default_factory=set)
     """Stream positions past ``prompts.position`` whose streamed prompt groups the trainer
     has taken (they arrive in the order they finish; `mcore_rl.trainer.take_groups`)."""
-    pooled_keys: set = field(default_factory=set)
-    """Keys of streamed groups that arrived but wait in dynamic sampling's pool (not taken
-    yet: a resumed run generates them again)."""
     groups_seen: set = field(default_factory=set)
     """(step, index) of every prompt group taken (`mcore_rl.trainer.check_once`)."""
     dynamic: InformativeGroups | None = None
-    """Dynamic sampling's pool of informative prompt groups (``algorithm.dynamic_sampling``)."""
+    """Dynamic sampling's pool of informative prompt groups (``algorithm.dynamic_sampling``),
+    kept by checkpoints."""
     val_metrics: Callable[[Batch], dict[str, float]] | None = None
     """More metrics of the greedy validation responses, computed on the controller rank
     (e.g. ``val/rm_score``, the score of a reward model that runs elsewhere)."""

@@ -2,7 +2,8 @@
 
 Layout: ``<root>/step_000010/{actor,critic}/`` (Megatron distributed checkpoints of each
 `TrainEngine`, see ``mcore_rl.train.checkpoint``) and ``run_state.json`` (step, data
-position, KL coefficient, ... whatever the loop needs to continue). ``<root>/latest`` names the newest *complete* step directory and
+position, KL coefficient, ... whatever the loop needs to continue), beside any objects of
+the loop's own (``<name>.pt``, e.g. dynamic sampling's pool). ``<root>/latest`` names the newest *complete* step directory and
 moves (atomic rename) only after every part of it is written, so a run killed mid-save
 resumes from the previous checkpoint. The oldest directories beyond ``keep_last`` are removed.
 """
@@ -14,7 +15,9 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from mcore_rl.atomic_write import write_text_atomic
@@ -28,6 +31,13 @@ from mcore_rl.train.checkpoint_check import checkpoint_problem
 FULL_BELOW = 4 * 2**20
 """A save that failed with less than this left on its file system failed for lack of room
 (the checkpoint writers do not always say so: "unexpected pos 704 vs 598")."""
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary name, then a rename: never a partial file at ``path``."""
+    part = path.with_name(path.name + ".part")
+    torch.save(obj, part)
+    os.replace(part, path)
 
 
 class CheckpointSpaceError(UsageError):
@@ -132,9 +142,11 @@ class RunCheckpoints:
                 return True  # a log of some kind: not ours to remove
         return False
 
-    def save(self, step: int, engines: dict, run_state: dict) -> Path:
+    def save(self, step: int, engines: dict, run_state: dict,
+             objects: dict[str, Any] | None = None) -> Path:
         """Collective: every rank calls it with the same engines. Weights that are not finite
-        are never written (`NonFiniteError`)."""
+        are never written (`NonFiniteError`). ``objects``: the loop's own state beyond JSON
+        (each written as ``<name>.pt`` by the first rank; `load_object`)."""
         broken = [name for name, engine in engines.items() if not engine.weights_finite()]
         if broken:
             raise NonFiniteError(f"step {step}: the {', '.join(broken)} weights are not finite; no "
@@ -159,6 +171,8 @@ class RunCheckpoints:
                     "stays; free space or point checkpoint.dir elsewhere") from None
             raise
         if dist.get_rank() == 0:
+            for name, obj in (objects or {}).items():
+                _save_atomic(obj, path / f"{name}.pt")
             write_text_atomic(path / "run_state.json", json.dumps({"step": step, **run_state}))
             write_text_atomic(self.root / "latest", path.name)
             self._prune(keep=path.name)
@@ -203,6 +217,13 @@ class RunCheckpoints:
                                         "by a run with the same algorithm?")
             load_engine(engine, path / name)
         return state
+
+    @staticmethod
+    def load_object(path: str | Path, name: str) -> Any:
+        """An object `save` kept beside the run state; None if the checkpoint has none (one
+        written before the loop kept it)."""
+        file = Path(path) / f"{name}.pt"
+        return torch.load(file, weights_only=False) if file.is_file() else None
 
     def _prune(self, keep: str) -> None:
         steps = sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.name != keep)

@@ -188,14 +188,22 @@ def _scores_per_step(rank, world_size, overrides, stop_after=None):
     return {h["step"]: tuple(h[k] for k in keys) for h in history if "rollout/dynamic_rounds" in h}
 
 
-def test_a_resumed_run_samples_what_the_uninterrupted_run_sampled(tmp_path):
+def test_a_resumed_run_samples_and_trains_what_the_uninterrupted_run_did(tmp_path):
     """A step may take several rounds of prompts; the rounds after a resume are numbered
-    (and seeded) on from all the rounds taken before, not from the step count."""
-    run = BASE + DYNAMIC + ["checkpoint.save_every=0", "checkpoint.resume=auto"]
+    (and seeded) on from all the rounds taken before, not from the step count. With
+    ``train.max_staleness=1`` the pool keeps a step's surplus groups for the next step, and
+    the checkpoint keeps the pool: the resumed run trains those groups too."""
+    from mcore_rl.train.run_checkpoints import RunCheckpoints
+    from mcore_rl.trainer import DYNAMIC_POOL
+
+    run = BASE + DYNAMIC + ["data.prompts_per_step=7", "train.max_staleness=1",
+                            "checkpoint.save_every=0", "checkpoint.resume=auto"]
     world = shared_world(1)
     whole = world.run(_scores_per_step, run + [f"logging.dir={tmp_path}/whole"])[0]
     split = tmp_path / "split"
     first = world.run(_scores_per_step, run + [f"logging.dir={split}"], 1)[0]
     assert list(first) == [1] and first[1][1] >= 2  # the first step took more than one round
+    kept = RunCheckpoints.load_object(split / "checkpoints" / "step_000001", DYNAMIC_POOL)
+    assert kept["pool"] is not None  # surplus groups wait for step 2
     resumed = world.run(_scores_per_step, run + [f"logging.dir={split}"])[0]
     assert resumed == whole, (resumed, whole)

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 from mcore_rl.config import load_config
 from mcore_rl.config.loader import config_to_dict
-from mcore_rl.data.batch import Batch
 from mcore_rl.roles.graph import group_items
 from mcore_rl.trainer import take_groups
 
@@ -21,13 +20,8 @@ def _cfg(steps: int = 3):
                    train=replace(cfg.train, steps=steps))
 
 
-def _state(pool_keys=()):
-    pool = None
-    if pool_keys:
-        pool = Batch.from_sequences([[1, 2]] * len(pool_keys), prompt_lens=[1] * len(pool_keys))
-        pool.meta["group_key"] = list(pool_keys)
+def _state():
     return SimpleNamespace(prompts=SimpleNamespace(position=0), taken_ahead=set(),
-                           pooled_keys=set(), dynamic=SimpleNamespace(pool=pool),
                            cfg=SimpleNamespace(data=SimpleNamespace(prompts_per_step=PER_STEP)))
 
 
@@ -37,15 +31,6 @@ def test_groups_taken_out_of_order_leave_the_position_at_the_first_one_not_taken
     assert (state.prompts.position, state.taken_ahead) == (0, {1, 2, 3, 4})
     take_groups(state, {(1, 0), (2, 2)})
     assert (state.prompts.position, state.taken_ahead) == (5, {6})
-
-
-def test_a_group_dynamic_sampling_still_pools_is_not_taken_until_it_leaves_the_pool():
-    state = _state(pool_keys=[(1, 2), (1, 2)])
-    take_groups(state, {(1, 0), (1, 1), (1, 2)})
-    assert (state.prompts.position, state.pooled_keys) == (2, {(1, 2)})
-    state.dynamic.pool = None  # trained with the next step's groups
-    take_groups(state, {(1, 3)})
-    assert (state.prompts.position, state.taken_ahead, state.pooled_keys) == (4, set(), set())
 
 
 def test_the_resumed_feed_is_the_uninterrupted_one_without_the_groups_already_taken():

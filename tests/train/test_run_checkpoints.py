@@ -35,3 +35,16 @@ def test_a_step_saved_again_is_incomplete_while_its_parts_are_replaced(tmp_path,
     assert complete_while_writing == [False, False]  # a kill there: step 2 is skipped
     assert (step / "run_state.json").read_text() == '{"step": 2, "x": 2}'
     assert (step / "critic" / "weights").read_text() == "new"
+
+
+def test_the_loops_objects_are_kept_beside_the_run_state_and_absent_ones_load_as_none(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(rc, "dist", SimpleNamespace(get_rank=lambda: 0, barrier=lambda: None))
+    monkeypatch.setattr(rc.RunCheckpoints, "_check_room", lambda self, step, engines: 1)
+    monkeypatch.setattr(rc, "save_engine", lambda engine, path: path.mkdir(parents=True))
+    checkpoints = rc.RunCheckpoints(tmp_path)
+    first = checkpoints.save(1, {"actor": _Engine("a")}, {}, objects={"pool": {"groups": [3, 4]}})
+    second = checkpoints.save(2, {"actor": _Engine("a")}, {})
+    assert rc.RunCheckpoints.load_object(first, "pool") == {"groups": [3, 4]}
+    assert rc.RunCheckpoints.load_object(second, "pool") is None
+    assert not list(first.glob("*.part"))  # written whole, then renamed
