@@ -55,6 +55,7 @@ def train_step(state: RunState, batch: Batch) -> dict[str, float] | None:
     state.stale_dropped += staleness["rollout/stale_dropped"]
     state.stale_dropped_groups += staleness["rollout/stale_dropped_groups"]
     if fresh is None:  # nothing young enough to train on: no step
+        state.stale_batches += 1
         return None
     state.step += 1
     timer = PhaseTimer()
@@ -225,6 +226,22 @@ def finish(state: RunState, stopped: bool = False) -> None:
                   f"train reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; metrics "
                   f"{state.log.dir / 'metrics.jsonl'}; plot {plot}", flush=True)
     state.reward.close()
+    short = None if stopped else short_of_steps(state)
+    if state.is_controller and short:
+        print(short, flush=True)
+
+
+def short_of_steps(state: RunState) -> str | None:
+    """Why a run ended before ``train.steps`` when its data ran out: batches that made no
+    step because every prompt group in them was too stale (the feed holds one batch per
+    step to go). None otherwise."""
+    steps, t = state.cfg.train.steps, state.cfg.train
+    if not state.stale_batches or state.step + state.stale_batches != steps:
+        return None
+    return (f"mcore-rl: the run ended at step {state.step} of {steps}: {state.stale_batches} "
+            f"batch(es) held only prompt groups over train.max_staleness={t.max_staleness}, "
+            "dropped (train.on_stale=drop); checkpoint.resume=auto trains the steps left, and "
+            "a higher train.max_staleness (or train.on_stale=regenerate with async) keeps them")
 
 
 class PhaseTimer:

@@ -60,6 +60,8 @@ class RunState:
     """Samples dropped as too stale since the last step (reported with the next one)."""
     stale_dropped_groups: float = 0.0
     """Their prompt groups."""
+    stale_batches: int = 0
+    """Batches the trainer took that made no step: every group in them was too stale."""
     taken_ahead: set = field(default_factory=set)
     """Stream positions past ``prompts.position`` whose streamed prompt groups the trainer
     has taken (they arrive in the order they finish; `mcore_rl.trainer.take_groups`)."""
