@@ -234,14 +234,17 @@ def finish(state: RunState, stopped: bool = False) -> None:
 def short_of_steps(state: RunState) -> str | None:
     """Why a run ended before ``train.steps`` when its data ran out: batches that made no
     step because every prompt group in them was too stale (the feed holds one batch per
-    step to go). None otherwise."""
+    step to go; with dynamic sampling it holds spare rounds, and this says nothing). None
+    otherwise."""
     steps, t = state.cfg.train.steps, state.cfg.train
-    if not state.stale_batches or state.step + state.stale_batches != steps:
+    if state.dynamic is not None or not state.stale_batches or \
+            state.step + state.stale_batches != steps:
         return None
     return (f"mcore-rl: the run ended at step {state.step} of {steps}: {state.stale_batches} "
             f"batch(es) held only prompt groups over train.max_staleness={t.max_staleness}, "
-            "dropped (train.on_stale=drop); checkpoint.resume=auto trains the steps left, and "
-            "a higher train.max_staleness (or train.on_stale=regenerate with async) keeps them")
+            f"dropped (train.on_stale={t.on_stale}); a higher train.max_staleness keeps such "
+            "groups" + (", and train.on_stale=regenerate (async) generates them again"
+                        if t.on_stale == "drop" and t.schedule == "async" else ""))
 
 
 class PhaseTimer:

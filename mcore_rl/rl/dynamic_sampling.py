@@ -47,6 +47,11 @@ def _renumbered(batch: Batch) -> Batch:
     return batch.with_tensors(group_id=torch.tensor(ids, dtype=torch.long))
 
 
+COUNTERS = ("_next_id", "discarded_groups", "rounds", "seen_groups", "filtered_groups",
+            "score_sum", "samples")
+"""`InformativeGroups`' counters, kept by checkpoints with its pool."""
+
+
 class InformativeGroups:
     """Pools the informative groups of successive scored rounds into steps.
 
@@ -88,16 +93,16 @@ class InformativeGroups:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps: the pooled groups and the counters that number and report
-        them (a checkpoint follows a step, when the round counts start again)."""
+        them, those of a step's rounds so far included (a save may come between rounds)."""
         pool = None if self.pool is None else {
             "tensors": self.pool.tensors, "meta": self.pool.meta, "info": self.pool.info}
-        return {"pool": pool, "next_id": self._next_id, "discarded_groups": self.discarded_groups}
+        return {"pool": pool, **{name: getattr(self, name) for name in COUNTERS}}
 
     def load_state_dict(self, state: dict) -> None:
         pool = state["pool"]
         self.pool = None if pool is None else Batch(pool["tensors"], pool["meta"], pool["info"])
-        self._next_id = state["next_id"]
-        self.discarded_groups = state["discarded_groups"]
+        for name in COUNTERS:
+            setattr(self, name, state[name])
 
     @property
     def pooled_groups(self) -> int:

@@ -155,6 +155,8 @@ class RunCheckpoints:
         need = self._check_room(step, engines)
         if dist.get_rank() == 0:  # saved again (a resumed run redoes a step): incomplete until
             (path / "run_state.json").unlink(missing_ok=True)  # every part is the new one
+            for old in path.glob("*.pt"):  # and none of the earlier save's objects stays
+                old.unlink()
         dist.barrier()
         try:
             for name, engine in engines.items():
@@ -223,7 +225,7 @@ class RunCheckpoints:
         """An object `save` kept beside the run state; None if the checkpoint has none (one
         written before the loop kept it)."""
         file = Path(path) / f"{name}.pt"
-        return torch.load(file, weights_only=False) if file.is_file() else None
+        return torch.load(file, map_location="cpu", weights_only=True) if file.is_file() else None
 
     def _prune(self, keep: str) -> None:
         steps = sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.name != keep)

@@ -79,6 +79,23 @@ def test_groups_of_different_rounds_never_merge_even_with_equal_ids():
     assert groups_of(step) == [[f"{t}0.0", f"{t}0.1"] for t in "abcd"]
 
 
+def test_a_pool_saved_between_rounds_goes_on_as_the_uninterrupted_one(tmp_path):
+    def pool():
+        return InformativeGroups(groups_per_step=3, max_extra_rounds=1, keep_surplus=True)
+
+    whole = pool()
+    whole.offer(scored([[1, 1], [0, 1]], "a"))
+    expected = whole.offer(scored([[0, 0], [2, 3]], "b"))
+    saved = pool()
+    saved.offer(scored([[1, 1], [0, 1]], "a"))
+    torch.save(saved.state_dict(), tmp_path / "pool.pt")  # as a checkpoint keeps it
+    resumed = pool()
+    resumed.load_state_dict(torch.load(tmp_path / "pool.pt", weights_only=True))
+    step, metrics = resumed.offer(scored([[0, 0], [2, 3]], "b"))
+    assert step is not None and metrics == expected[1]  # the round limit counted the first round
+    assert groups_of(step) == groups_of(expected[0]) == [["a1.0", "a1.1"], ["b1.0", "b1.1"]]
+
+
 @pytest.mark.parametrize("kw", [dict(groups_per_step=0, max_extra_rounds=1),
                                 dict(groups_per_step=1, max_extra_rounds=-1)])
 def test_bad_sizes_are_refused(kw):

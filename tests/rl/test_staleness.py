@@ -62,5 +62,7 @@ def test_a_batch_with_nothing_fresh_makes_no_step_and_the_shortfall_is_explained
     line = short_of_steps(state)
     assert line.startswith("mcore-rl: the run ended at step 1 of 2: 1 batch(es) held only "
                            "prompt groups over train.max_staleness=1"), line
-    state.step = 0  # a run that ended for another reason (a failure) is not explained so
+    state.dynamic = object()  # dynamic sampling's feed holds spare rounds: no such count
+    assert short_of_steps(state) is None
+    state.dynamic, state.step = None, 0  # a run that ended otherwise (a failure): not so
     assert short_of_steps(state) is None
