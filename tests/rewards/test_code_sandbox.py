@@ -1,6 +1,7 @@
 """The ``code`` reward's namespace sandbox against hostile programs: each scores 0 and
 leaves no trace on the host, where the same attempt without the sandbox (`Unsandboxed`,
 run first where it is safe) succeeds; a correct program still scores 1."""
+import errno
 import hashlib
 import json
 import os
@@ -466,3 +467,39 @@ def test_the_program_runs_as_nobody_without_capabilities_fds_or_the_trainers_env
     assert seen["env"] == sorted(ENV)
     assert host_paths and seen["seen"] == []
     assert not seen["init_environ_readable"] and seen["processes"] == ["1", "2"]
+
+
+KERNEL_CALLS = """
+import ctypes, json
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+out = {}
+for name, args in CALLS:
+    ctypes.set_errno(0)
+    result = libc.syscall(ctypes.c_long(NUMBERS[name]), *map(ctypes.c_long, args))
+    out[name] = ctypes.get_errno() if result < 0 else 0
+print(json.dumps(out))
+"""
+# harmless arguments: a query, or a null pointer the kernel refuses with EFAULT
+SAFE_CALLS = [("keyctl", (0, -3, 0)), ("add_key", (0, 0, 0, 0, 0)), ("bpf", (5, 0, 0)),
+              ("io_uring_setup", (1, 0)), ("perf_event_open", (0, 0, -1, -1, 0)),
+              ("userfaultfd", (0,)), ("personality", (0xFFFFFFFF,))]
+
+
+def test_kernel_calls_a_scoring_program_has_no_use_for_fail_with_eperm(sandbox):
+    """io_uring, perf events, BPF, userfaultfd, the keyrings and personality reach the kernel
+    from an unprivileged process (namespaces and dropped capabilities leave them open); the
+    sandbox's seccomp filter refuses them."""
+    import platform
+
+    from mcore_rl.rewards.sandbox import syscall_filter
+
+    numbers = syscall_filter._NUMBERS.get(platform.machine())
+    if numbers is None:
+        pytest.skip(f"no system call table for {platform.machine()}: no filter is installed")
+    source = program(KERNEL_CALLS, CALLS=SAFE_CALLS, NUMBERS=numbers)
+    outside = json.loads(Unsandboxed().run(Run(source, "main")).stdout)
+    assert any(err != errno.EPERM for err in outside.values()), outside
+    inside = sandbox.run(Run(source, "main"))
+    assert inside.status == "ok", inside
+    assert json.loads(inside.stdout) == {name: errno.EPERM for name, _ in SAFE_CALLS}

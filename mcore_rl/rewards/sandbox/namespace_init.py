@@ -15,8 +15,8 @@ allow-listed environment and no open file descriptors but pipes to its parent: 0
    write end of a results pipe at fd 3 (what is written there can be added to, not
    rewritten), becomes uid/gid 65534 with no capabilities (the bounding set emptied too) and
    no_new_privs, sets its rlimits (address space, CPU time, file size, processes, no core
-   dumps), tells the init its setup worked, closes every other descriptor and runs
-   `harness` in-process.
+   dumps), installs a seccomp filter (`syscall_filter`), tells the init its setup worked,
+   closes every other descriptor and runs `harness` in-process.
 4. The init reads the results pipe while the program runs, reaps it, kills and reaps
    whatever it left running (so that nothing writes after it ended), writes one JSON
    report on stdout (``exit``: status or -signal, ``stdout``: its first `STDOUT_BYTES`,
@@ -36,6 +36,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I -S: siblings by path
 import harness  # noqa: E402
 import root_view  # noqa: E402
+import syscall_filter  # noqa: E402
 import syscalls as sc  # noqa: E402
 
 del sys.path[0]  # the program's module path is the standard library's alone
@@ -97,6 +98,7 @@ def run_program(job: dict, fds: tuple[int, int, int, int], nonce: str, setup_fd:
                 os.dup2(fd, target)
             drop_privileges()
             set_limits(job)
+            syscall_filter.install()
         except (OSError, ValueError) as err:
             os.write(setup_fd, (describe(err) if isinstance(err, OSError) else str(err)).encode())
             os._exit(SETUP_FAILED)
