@@ -503,3 +503,31 @@ def test_kernel_calls_a_scoring_program_has_no_use_for_fail_with_eperm(sandbox):
     inside = sandbox.run(Run(source, "main"))
     assert inside.status == "ok", inside
     assert json.loads(inside.stdout) == {name: errno.EPERM for name, _ in SAFE_CALLS}
+
+
+SOCKETS = """
+import json, socket
+out = {}
+for name, family, kind, protocol in FAMILIES:
+    try:
+        socket.socket(family, kind, protocol).close()
+        out[name] = 0
+    except OSError as err:
+        out[name] = err.errno
+print(json.dumps(out))
+"""
+FAMILIES = [("unix", 1, 1, 0), ("inet", 2, 1, 0), ("inet6", 10, 2, 0), ("netlink_route", 16, 3, 0),
+            ("netlink_xfrm", 16, 3, 6), ("vsock", 40, 1, 0), ("packet", 17, 3, 0)]
+
+
+def test_sockets_of_families_a_program_has_no_use_for_cannot_be_opened(sandbox):
+    """Families whose kernel code a distribution loads on demand (vsock, xfrm, packet, ...)
+    stay out of reach; Unix, IP (no network to reach) and netlink routing open as before."""
+    source = program(SOCKETS, FAMILIES=FAMILIES)
+    outside = json.loads(Unsandboxed().run(Run(source, "main")).stdout)
+    refused = {"netlink_xfrm", "vsock", "packet"}
+    assert any(outside[name] == 0 for name in refused), outside  # some open on this host
+    inside = sandbox.run(Run(source, "main"))
+    assert inside.status == "ok", inside
+    assert json.loads(inside.stdout) == {name: errno.EAFNOSUPPORT if name in refused else 0
+                                         for name, *_ in FAMILIES}
