@@ -6,7 +6,10 @@ tensors are HF-named views of the shared-memory bucket (checked first), and SGLa
 ``load_weights`` fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` per TP
 shard, exactly as `mcore_rl.engines.param_plan` describes (checked in CI against SGLang's
 model code, ``tests/engines/data/sglang_manifest.json``). The radix (prefix) cache is
-flushed once at the end, not per bucket.
+flushed once at the end, not per bucket. With ``reshard.transport=nccl`` (separate placement)
+the weights come over NCCL instead, through SGLang's ``init_weights_update_group`` and
+``update_weights_from_distributed`` (`transfer`, driven by
+`mcore_rl.reshard.sglang_broadcast`; unverified).
 
 Log-probs: SGLang's default sampler returns log(softmax(logits / T)) of the sampled token,
 computed before top-k/top-p, which is mcore-rl's convention (``SGLANG_RETURN_ORIGINAL_LOGPROB``
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from mcore_rl.engines import sglang_shim
 from mcore_rl.engines.base import RolloutEngine, Rollouts, RolloutSample, SamplingConfig
-from mcore_rl.wire import check_manifest, read_tensors
+from mcore_rl.wire import WeightSyncError, check_manifest, read_tensors
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SAMPLE_SEED_STRIDE = 1_000_003
@@ -41,6 +44,8 @@ class SGLangEngine(RolloutEngine):
             context_length=max_model_len, mem_fraction_static=gpu_memory_utilization,
             skip_tokenizer_init=True, load_format=load_format, enable_memory_saver=True)
         self._buffer = None
+        self.tp = tp
+        self._groups: list[str] = []
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                   seeds: list[int | None]) -> Rollouts:
@@ -83,6 +88,43 @@ class SGLangEngine(RolloutEngine):
     def _finish_session(self, complete: bool) -> None:
         self._buffer = None
         self.engine.end_weight_update()
+
+    def transfer(self, step: str, payload=None):
+        """One step of a weight sync over NCCL from `mcore_rl.reshard.sglang_broadcast`:
+        ``ranks`` (how many workers receive), ``check`` (weights awake), ``init`` (join the
+        trainer's group: SGLang's ``init_weights_update_group`` arguments), ``update`` (one
+        bucket: ``update_weights_from_distributed`` arguments), ``finish`` with the version,
+        which this engine then serves (prefix cache flushed), ``abort`` with the reason (its
+        groups dropped; it refuses to generate until a sync finishes) or ``shutdown``."""
+        if step == "ranks":
+            return self.tp
+        if step == "check":
+            self._check_weights_awake()
+        elif step == "init":
+            self._sglang("init_weights_update_group", **payload)
+            self._groups.append(payload["group_name"])
+        elif step == "update":
+            self._sglang("update_weights_from_distributed", **payload, flush_cache=False)
+        elif step == "finish":
+            self.engine.flush_cache()
+            self.weight_version, self._torn = int(payload), None
+        elif step in ("abort", "shutdown"):
+            if step == "abort":
+                self.weight_version, self._torn = None, str(payload)
+            for name in self._groups:
+                try:
+                    self.engine.destroy_weights_update_group(group_name=name)
+                except Exception:  # noqa: BLE001 - a broken group may not come apart cleanly
+                    pass
+            self._groups = []
+        return None
+
+    def _sglang(self, method: str, **kwargs) -> None:
+        """A call of SGLang's update API, which answers (success, message)."""
+        result = getattr(self.engine, method)(**kwargs)
+        ok, message = result if isinstance(result, tuple) else (True, "")
+        if not ok:
+            raise WeightSyncError(f"SGLang's {method}: {message}")
 
     def reset_prefix_cache(self) -> None:
         self.engine.flush_cache()

@@ -25,3 +25,16 @@ def require():
     import sglang
 
     return sglang
+
+
+def weight_update_group(*, backend: str, init_method: str, world_size: int, rank: int,
+                        group_name: str):
+    """A process group with an SGLang engine's workers, made as SGLang makes its side of it
+    (``init_weights_update_group``): the trainer's sending rank joins as ``rank`` 0."""
+    require()
+    try:
+        from sglang.srt.utils import init_custom_process_group
+    except ImportError:  # moved in later SGLang releases
+        from sglang.srt.utils.common import init_custom_process_group
+    return init_custom_process_group(backend=backend, init_method=init_method,
+                                     world_size=world_size, rank=rank, group_name=group_name)

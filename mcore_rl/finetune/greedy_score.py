@@ -47,6 +47,7 @@ def build_score_state(cfg: RLConfig, ctx: ParallelContext, model_dir: Path, toke
         return None
     from mcore_rl.data.prompts import load_prompt_records
     from mcore_rl.engines import build_rollout_engine
+    from mcore_rl.engines.sglang_shim import weight_update_group
     from mcore_rl.reshard.stream import WeightSync
     from mcore_rl.rewards import RewardScorer
 
@@ -59,7 +60,8 @@ def build_score_state(cfg: RLConfig, ctx: ParallelContext, model_dir: Path, toke
                                        **engine_options(cfg.reshard))
     sync = WeightSync.from_config([getattr(c, "module", c) for c in model.model], arch, cfg.reshard,
                                   engines=[rollout] if rollout else None,
-                                  controller=ctx.controller, group=ctx.world_group)
+                                  controller=ctx.controller, group=ctx.world_group,
+                                  engine=cfg.rollout.engine, sglang_group=weight_update_group)
     return ScoreState(cfg=cfg, ctx=ctx, tokenizer=tokenizer, actor=model, rollout=rollout, sync=sync,
                       reward=RewardScorer.from_config(cfg.reward),
                       val_records=load_prompt_records(cfg.data, "val"), vocab_size=arch.vocab_size)

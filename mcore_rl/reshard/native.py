@@ -70,11 +70,16 @@ def transport_problem(transport: str, cuda: bool, engine: str) -> str | None:
         return f"reshard.transport={transport}: vLLM's {transport} backend is not supported ({NOT_WIRED[transport]})"
     if not is_native(transport):
         return None
-    if engine != "vllm":
+    if engine == "sglang" and transport != "nccl":
+        return (f"reshard.transport={transport} is a backend of vLLM's weight-transfer protocol; "
+                "rollout.engine=sglang takes weights over NCCL through its own update API: use "
+                "reshard.transport=nccl (separate placement) or reshard.transport=auto")
+    if engine not in ("vllm", "sglang"):
         return (f"reshard.transport={transport} is a backend of vLLM's weight-transfer protocol; "
                 f"rollout.engine={engine} does not speak it: use reshard.transport=auto")
     if not cuda:
-        return (f"reshard.transport={transport} is vLLM's GPU backend (it needs CUDA); on CPU "
+        owner = "SGLang's NCCL update" if engine == "sglang" else "vLLM's GPU backend"
+        return (f"reshard.transport={transport} is {owner} (it needs CUDA); on CPU "
                 "use reshard.transport=auto, which streams through shared memory")
     return None
 

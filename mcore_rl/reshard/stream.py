@@ -112,12 +112,22 @@ class WeightSync:
 
     @classmethod
     def from_config(cls, chunks: list, arch, cfg, *, engines: list | None = None,
-                    controller: int = 0, group=None) -> "WeightSync":
+                    controller: int = 0, group=None, engine: str = "vllm",
+                    sglang_group=None) -> "WeightSync":
         """From a `ReshardConfig` (``cfg.reshard``); ``controller``: the global rank that
-        holds the engines, ``group``: the trainer's ranks."""
+        holds the engines, ``group``: the trainer's ranks, ``engine``: their kind
+        (``rollout.engine``); ``sglang_group``: SGLang's helper that makes the trainer's
+        side of an engine's NCCL group (`mcore_rl.engines.sglang_shim.weight_update_group`),
+        for ``transport: nccl`` into SGLang."""
         from mcore_rl.models.gpt import DTYPES
         from mcore_rl.reshard.native import NativeWeightSync, is_native
 
+        if engine == "sglang" and cfg.transport == "nccl":  # SGLang's own update API
+            from mcore_rl.reshard.sglang_broadcast import SGLangBroadcastSync
+
+            return SGLangBroadcastSync.from_config(chunks, arch, cfg, make_group=sglang_group,
+                                                   engines=engines, controller=controller,
+                                                   group=group)
         if is_native(cfg.transport):  # vLLM's own GPU backends move the bytes
             return NativeWeightSync.from_config(chunks, arch, cfg, engines=engines,
                                                 controller=controller, group=group)

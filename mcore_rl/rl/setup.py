@@ -200,6 +200,7 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list,
     the controller rank (empty elsewhere): the weight sync streams into all of them;
     ``rollout`` is the first. ``reward``: what scores responses, as a `RewardScorer` does
     (default: the one of ``cfg.reward``)."""
+    from mcore_rl.engines.sglang_shim import weight_update_group
     from mcore_rl.models import build_model
     from mcore_rl.reshard.stream import WeightSync
     from mcore_rl.rl.job_check import check_registered_names
@@ -237,7 +238,8 @@ def build_run(cfg: RLConfig, ctx: ParallelContext, engines: list,
     sync = WeightSync.from_config([getattr(c, "module", c) for c in actor.model],
                                   actor_model.spec.arch, cfg.reshard,
                                   engines=list(engines) if ctx.is_controller else None,
-                                  controller=ctx.controller, group=ctx.world_group)
+                                  controller=ctx.controller, group=ctx.world_group,
+                                  engine=cfg.rollout.engine, sglang_group=weight_update_group)
     sync.drop_dead_engines = cfg.rollout.on_replica_failure == "continue"
     train_records = load_prompt_records(cfg.data, "train")
     val_records = load_prompt_records(cfg.data, "val")

@@ -91,3 +91,47 @@ def test_sglang_engine_generates_hf_greedy_tokens_after_a_weight_update(tmp_path
         assert got.token_ids == want and got.weight_version == 1
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+def test_an_nccl_sync_into_sglang_gives_hf_greedy_tokens_of_the_trainers_weights(tmp_path,
+                                                                                 monkeypatch):
+    """``reshard.transport=nccl`` into SGLang (`mcore_rl.reshard.sglang_broadcast`): a trainer
+    at TP1 on GPU 0 syncs into an engine on GPU 1 started from other weights; the engine then
+    generates what HF generates from the trainer's checkpoint. Needs SGLang and two GPUs."""
+    import torch
+
+    pytest.importorskip("sglang")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("the engine needs a GPU of its own (one NCCL rank per GPU)")
+    from mcore_rl.config.sections import ReshardConfig
+    from mcore_rl.engines import SamplingConfig
+    from mcore_rl.engines.sglang_engine import SGLangEngine
+    from mcore_rl.engines.sglang_shim import weight_update_group
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.reshard.stream import WeightSync
+    from tests.models.tiny_hf import load_hf
+
+    start = save_tiny_hf_model("qwen2-tied", tmp_path / "start", seed=0)
+    target = save_tiny_hf_model("qwen2-tied", tmp_path / "target", seed=1)
+    ctx = initialize_parallel()  # a world of one, on GPU 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    engine = SGLangEngine(start, tp=1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    try:
+        built = build_model(str(target), ctx)
+        sync = WeightSync.from_config(built.chunks, built.spec.arch, ReshardConfig(transport="nccl"),
+                                      engines=[engine], engine="sglang",
+                                      sglang_group=weight_update_group)
+        sync.sync(1)
+        prompt = [5, 6, 7, 8]
+        got = engine.generate([prompt], SamplingConfig(temperature=0, max_new_tokens=6))[0]
+        want = load_hf(target).generate(torch.tensor([prompt]), max_new_tokens=6,
+                                        do_sample=False, eos_token_id=None,
+                                        pad_token_id=0)[0, 4:].tolist()
+        assert got.token_ids == want and got.weight_version == 1
+        sync.close()
+    finally:
+        engine.close()
+        destroy_parallel()

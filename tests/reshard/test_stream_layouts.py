@@ -774,3 +774,127 @@ def test_the_gathered_source_yields_the_checkpoint_in_vllms_order(world, models,
             assert all(torch.equal(r["got"][n], t) for n, t in expected.items())
         else:
             assert set(r["got"].values()) == {None}
+
+
+class _SGLangStandIn:
+    """SGLang's side of ``init_weights_update_group`` / ``update_weights_from_distributed``
+    as `SGLangEngine.transfer` drives it: one receiving worker in a gloo group with the
+    controller (rank 0), taking each broadcast tensor of a bucket by name, dtype and shape.
+    ``fail_bucket``: (sync, bucket) whose load fails after the tensors arrived."""
+
+    tp = 1
+
+    def __init__(self, fail_bucket=None):
+        self.calls, self.weights, self.version, self.groups = [], {}, None, {}
+        self.fail_bucket, self.syncs, self.buckets = fail_bucket, 0, 0
+
+    def transfer(self, step, payload=None):
+        import datetime
+
+        import torch.distributed as dist
+
+        self.calls.append(step)
+        if step == "ranks":
+            return self.tp
+        if step == "check":
+            self.syncs, self.buckets = self.syncs + 1, 0
+        elif step == "init":  # rank 1: the engine's only worker
+            host, port = payload["master_address"], payload["master_port"]
+            store = dist.TCPStore(host, port, payload["world_size"], is_master=False)
+            self.groups[payload["group_name"]] = dist.ProcessGroupGloo(
+                dist.PrefixStore(payload["group_name"], store), payload["rank_offset"],
+                payload["world_size"], datetime.timedelta(seconds=60))
+        elif step == "update":
+            self.buckets += 1
+            group = self.groups[payload["group_name"]]
+            for name, dtype, shape in zip(payload["names"], payload["dtypes"], payload["shapes"]):
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                group.broadcast(t, 0).wait()
+                self.weights[name] = t
+            if (self.syncs, self.buckets) == self.fail_bucket:
+                raise RuntimeError("SGLang's update_weights_from_distributed: load_weights failed")
+        elif step == "finish":
+            self.version = payload
+        elif step == "abort":
+            self.version, self.groups = None, {}
+
+
+def _controller_group(*, backend, init_method, world_size, rank, group_name):
+    """The controller's side, as SGLang's helper makes it, over gloo (the TCP store's host)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), world_size, is_master=True, wait_for_workers=False)
+    _controller_group.stores.append(store)  # held for the group's life
+    return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size,
+                                 datetime.timedelta(seconds=60))
+
+
+_controller_group.stores = []
+
+
+def _sglang_sync(rank, world_size, layout, hf_dir, syncs, fail_bucket=None):
+    """SGLangBroadcastSync at ``layout`` into two stand-in engines: per sync what each holds
+    and its version, or the error on this rank; then each engine's calls."""
+    from mcore_rl.models.provider import build_model
+    from mcore_rl.parallel import destroy_parallel, initialize_parallel
+    from mcore_rl.parallel.ports import free_port
+    from mcore_rl.reshard.sglang_broadcast import SGLangBroadcastSync
+
+    ctx = initialize_parallel(tp=layout[0], pp=layout[1])
+    try:
+        built = build_model(hf_dir, ctx)
+        plan = _whole_plan(built, rank)
+        engines = [_SGLangStandIn(), _SGLangStandIn(fail_bucket)] if rank == 0 else []
+        sync = SGLangBroadcastSync(built.chunks, plan, engines=engines,
+                                   make_group=_controller_group, device="cpu", backend="gloo",
+                                   address=lambda: ("127.0.0.1", free_port()))
+        out = []
+        for version in range(1, syncs + 1):
+            try:
+                stats = sync.sync(version)
+            except WeightSyncError as err:
+                out.append({"error": str(err), "versions": [e.version for e in engines]})
+                continue
+            out.append({"weights": [dict(e.weights) for e in engines], "sent": stats.sent_nbytes,
+                        "versions": [e.version for e in engines], "buckets": len(plan.buckets)})
+        sync.close()
+        out.append([e.calls for e in engines])
+        return out
+    finally:
+        destroy_parallel()
+
+
+def test_sglang_nccl_updates_give_each_engine_the_checkpoint_bucket_by_bucket(world, models):
+    hf_dir, _, expected = models["qwen2-tied"]
+    results = world.run(_sglang_sync, LAYOUTS["TP2xPP2"][:2], hf_dir, 1)
+    first, calls = results[0][0], results[0][-1]
+    assert first["versions"] == [1, 1]
+    for held in first["weights"]:  # what SGLang's workers received: the checkpoint exactly
+        assert sorted(held) == sorted(expected)
+        assert all(torch.equal(held[n], t) for n, t in expected.items())
+    for engine_calls in calls:  # joined once, one update call per bucket, then the version
+        assert engine_calls == ["ranks", "init", "check", *["update"] * first["buckets"],
+                                "finish", "shutdown"]
+    assert all(r[-1] == [] for r in results[1:])  # only the controller calls the engines
+    checkpoint_bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    assert first["sent"] == 2 * checkpoint_bytes
+
+
+def test_an_sglang_update_failing_fails_the_sync_everywhere_and_the_next_one_rejoins(world,
+                                                                                      models):
+    hf_dir, _, expected = models["qwen2-tied"]
+    results = world.run(_sglang_sync, LAYOUTS["TP2xPP2"][:2], hf_dir, 2, fail_bucket=(1, 2))
+    errors = {r[0]["error"] for r in results}
+    assert len(errors) == 1 and "engine 2, bucket 2/" in (e := errors.pop()) and \
+        "load_weights failed" in e
+    controller = results[0]
+    assert controller[0]["versions"] == [None, None]  # both told: neither serves a version
+    second, calls = controller[1], controller[-1]
+    assert second["versions"] == [2, 2]
+    for held in second["weights"]:
+        assert all(torch.equal(held[n], t) for n, t in expected.items())
+    for engine_calls in calls:  # each engine was told, and joined a new group
+        assert "abort" in engine_calls and engine_calls.count("init") == 2
