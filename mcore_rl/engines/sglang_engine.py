@@ -103,7 +103,8 @@ class SGLangEngine(RolloutEngine):
         elif step == "init":
             self._sglang("init_weights_update_group", **payload)
             self._groups.append(payload["group_name"])
-        elif step == "update":
+        elif step == "update":  # no generation on a mix of old and new weights
+            self.weight_version, self._torn = None, "a weight sync is in progress"
             self._sglang("update_weights_from_distributed", **payload, flush_cache=False)
         elif step == "finish":
             self.engine.flush_cache()

@@ -16,18 +16,22 @@ trainer's group). Per bucket and engine, the update call goes to the engine from
 while the controller broadcasts, since the engine receives inside that call. After the last
 bucket each engine flushes its prefix cache and serves the new version.
 
-A failure on any rank fails the sync on every rank (`WeightSyncError`, one line); the
-engines drop their groups and refuse to generate until a sync completes, and the next sync
-builds new groups (an NCCL group is unusable after a failed transfer).
+While an engine takes the buckets it refuses to generate (no mix of old and new weights). A
+failure on any rank fails the sync on every rank (`WeightSyncError`, one line): the
+controller aborts its side of the engines' groups at once (a broadcast nobody receives
+would otherwise hold its GPU stream), the engines drop theirs and refuse to generate until
+a sync completes, and the next sync builds new groups. Every wait on an engine is bounded
+(`JOIN_TIMEOUT_S`), so a stuck engine fails the sync instead of hanging the trainer.
 
 Unverified: SGLang needs a GPU and does not run here. The calls, their order and what
 arrives are checked on CPU against a stand-in engine over a gloo group
-(``tests/reshard/test_sglang_broadcast.py``).
+(``tests/reshard/test_stream_layouts.py``).
 """
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -43,8 +47,8 @@ JOIN_TIMEOUT_S = 600.0
 """How long the controller waits for an engine to join its group or take a bucket."""
 
 GroupFactory = Callable[..., Any]
-"""``(backend=, init_method=, world_size=, rank=, group_name=)`` -> a process group with
-``broadcast(tensor, root)``: the controller's side of an engine's group."""
+"""``(backend=, init_method=, world_size=, rank=, group_name=, timeout=)`` -> a process
+group with ``broadcast(tensor, root)``: the controller's side of an engine's group."""
 
 
 class SGLangBroadcastSync:
@@ -72,7 +76,9 @@ class SGLangBroadcastSync:
         self._make_group = make_group
         self._address = address or _free_address
         self.groups: list[tuple[str, Any]] | None = None
-        self._syncs = 0
+        self._joins = 0
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="sglang-sync") \
+            if self.is_controller else None
         self._connect()
 
     @classmethod
@@ -98,27 +104,33 @@ class SGLangBroadcastSync:
 
     def _connect(self) -> None:
         """One group per engine, the controller as rank 0 (collective: every rank learns
-        whether it worked)."""
+        whether it worked). Both sides block until all joined, so each runs in a thread."""
+        self._joins += 1
         groups, error = [], None
         if self.is_controller:
             try:
                 for k, engine in enumerate(self.engines):
-                    name = f"{GROUP_NAME}-{self._syncs}-{k}"
+                    name = f"{GROUP_NAME}-{self._joins}-{k}"
                     address, port = self._address()
                     size = 1 + int(engine.transfer("ranks"))
-                    with ThreadPoolExecutor(1) as pool:  # both sides block until all joined
-                        joined = pool.submit(engine.transfer, "init", {
-                            "master_address": address, "master_port": port, "rank_offset": 1,
-                            "world_size": size, "group_name": name, "backend": self.backend})
-                        pg = self._make_group(backend=self.backend,
-                                              init_method=f"tcp://{address}:{port}",
-                                              world_size=size, rank=0, group_name=name)
-                        joined.result(timeout=JOIN_TIMEOUT_S)
-                    groups.append((name, pg))
+                    joined = self._pool.submit(engine.transfer, "init", {
+                        "master_address": address, "master_port": port, "rank_offset": 1,
+                        "world_size": size, "group_name": name, "backend": self.backend})
+                    made = self._pool.submit(
+                        self._make_group, backend=self.backend,
+                        init_method=f"tcp://{address}:{port}", world_size=size, rank=0,
+                        group_name=name, timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+                    done, _ = wait([joined, made], JOIN_TIMEOUT_S, FIRST_EXCEPTION)
+                    for future in (joined, made):
+                        if future not in done:
+                            raise TimeoutError(f"no answer in {JOIN_TIMEOUT_S:.0f} s")
+                        future.result()
+                    groups.append((name, made.result()))
             except Exception as err:  # noqa: BLE001 - agreed on below
                 error = f"weight sync into SGLang: joining engine {len(groups) + 1}'s group: {err}"
         error = self._agree(error)
         if error is not None:
+            self.groups = groups
             self._abort(error)
             raise WeightSyncError(error)
         self.groups = groups
@@ -141,10 +153,8 @@ class SGLangBroadcastSync:
         sent = 0
         if error is None:
             error, sent = self._send(version, wake)
-        self._syncs += 1
         if error is not None:
             self._abort(error)
-            self.groups = None
             raise WeightSyncError(error)
         stats.total_s = stats.transfer_s = time.perf_counter() - start
         stats.nbytes = stats.relayed_full_nbytes = self.plan.total_nbytes * self.count
@@ -171,28 +181,27 @@ class SGLangBroadcastSync:
         held = local_holdings(self.chunks, self.rank)[1]
         wire = str(self.plan.wire_dtype).removeprefix("torch.")
         error, sent = None, 0
-        with ThreadPoolExecutor(1) as pool:
-            for k, bucket in enumerate(self.plan.buckets):
-                tensors = [(t.hf_name, gather_tensor(t, held, self.rank, self.controller,
-                                                     self.plan.wire_dtype, self.group,
-                                                     self.device))
-                           for t in bucket.tensors]  # collective: every rank, every bucket
-                if not self.is_controller or error is not None:
-                    continue
-                update = {"names": [n for n, _ in tensors], "dtypes": [wire] * len(tensors),
-                          "shapes": [list(x.shape) for _, x in tensors]}
-                for e, (name, pg) in enumerate(self.groups):
-                    try:
-                        received = pool.submit(self.engines[e].transfer, "update",
-                                               {**update, "group_name": name})
-                        for _, x in tensors:
-                            pg.broadcast(x, 0).wait()
-                        received.result(timeout=JOIN_TIMEOUT_S)
-                    except Exception as err:  # noqa: BLE001 - agreed on below
-                        error = (f"weight sync into SGLang, engine {e + 1}, bucket {k + 1}/"
-                                 f"{len(self.plan.buckets)}: {err}")
-                        break
-                    sent += sum(x.numel() * x.element_size() for _, x in tensors)
+        for k, bucket in enumerate(self.plan.buckets):
+            tensors = [(t.hf_name, gather_tensor(t, held, self.rank, self.controller,
+                                                 self.plan.wire_dtype, self.group, self.device))
+                       for t in bucket.tensors]  # collective: every rank, every bucket
+            if not self.is_controller or error is not None:
+                continue
+            update = {"names": [n for n, _ in tensors], "dtypes": [wire] * len(tensors),
+                      "shapes": [list(x.shape) for _, x in tensors]}
+            for e, (name, pg) in enumerate(self.groups):
+                try:
+                    received = self._pool.submit(self.engines[e].transfer, "update",
+                                                 {**update, "group_name": name})
+                    for _, x in tensors:
+                        pg.broadcast(x, 0).wait()
+                    received.result(timeout=JOIN_TIMEOUT_S)
+                except Exception as err:  # noqa: BLE001 - agreed on below
+                    error = (f"weight sync into SGLang, engine {e + 1}, bucket {k + 1}/"
+                             f"{len(self.plan.buckets)}: {err}")
+                    self._drop_groups()  # before any more work on this GPU
+                    break
+                sent += sum(x.numel() * x.element_size() for _, x in tensors)
         if self.is_controller and error is None:
             try:
                 for engine in self.engines:
@@ -204,17 +213,36 @@ class SGLangBroadcastSync:
         return self._agree(error), sent
 
     def _abort(self, error: str) -> None:
-        """The engines drop their groups and refuse to generate until a sync completes."""
+        """The controller's groups aborted; the engines drop theirs and refuse to generate
+        until a sync completes."""
+        self._drop_groups()
         for engine in self.engines:
             try:
                 engine.transfer("abort", error)
             except Exception:  # noqa: BLE001 - the engine already refuses to generate
                 pass
 
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.transfer("shutdown")
+    def _drop_groups(self) -> None:
+        """Abort and destroy the controller's side of every group (an NCCL communicator is
+        unusable after a failed transfer, and aborting it ends what it has queued)."""
+        for _, pg in self.groups or []:
+            for end in (getattr(pg, "abort", None), lambda: dist.destroy_process_group(pg)):
+                try:
+                    if end is not None:
+                        end()
+                except Exception:  # noqa: BLE001 - a broken group may not come apart cleanly
+                    pass
         self.groups = None
+
+    def close(self) -> None:
+        self._drop_groups()
+        for engine in self.engines:
+            try:
+                engine.transfer("shutdown")
+            except Exception:  # noqa: BLE001 - closing the others still matters
+                pass
+        if self._pool is not None:  # a call stuck in an engine is not waited for
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _free_address() -> tuple[str, int]:

@@ -131,7 +131,63 @@ def test_an_nccl_sync_into_sglang_gives_hf_greedy_tokens_of_the_trainers_weights
                                         do_sample=False, eos_token_id=None,
                                         pad_token_id=0)[0, 4:].tolist()
         assert got.token_ids == want and got.weight_version == 1
-        sync.close()
     finally:
+        if "sync" in locals():
+            sync.close()
         engine.close()
         destroy_parallel()
+
+
+class _SGLangCalls:
+    """SGLang's ``Engine`` as far as the NCCL update goes: records calls, answers (ok, message)."""
+
+    def __init__(self, fail=None):
+        self.calls, self.fail = [], fail
+
+    def __getattr__(self, method):
+        def call(**kwargs):
+            self.calls.append((method, kwargs))
+            return (method != self.fail, f"{method} failed" if method == self.fail else "")
+        return call
+
+
+def _engine_over(calls):
+    from mcore_rl.engines.base import RolloutEngine
+    from mcore_rl.engines.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine.__new__(SGLangEngine)  # SGLang itself is not installed here
+    RolloutEngine.__init__(engine)
+    engine.engine, engine.tp, engine._groups, engine._buffer = calls, 2, [], None
+    return engine
+
+
+def test_the_nccl_update_refuses_generation_mid_sync_and_serves_the_version_it_finishes():
+    from mcore_rl.engines import SamplingConfig
+    from mcore_rl.wire import WeightSyncError
+
+    engine = _engine_over(_SGLangCalls())
+    init = {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1,
+            "world_size": 3, "group_name": "g", "backend": "nccl"}
+    assert engine.transfer("ranks") == 2
+    engine.transfer("init", init)
+    engine.transfer("update", {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 2]],
+                               "group_name": "g"})
+    with pytest.raises(WeightSyncError, match="a weight sync is in progress"):
+        engine.generate([[1, 2]], SamplingConfig(max_new_tokens=1))
+    engine.transfer("finish", 7)
+    assert engine.weight_version == 7 and engine._torn is None
+    assert [m for m, _ in engine.engine.calls] == [
+        "init_weights_update_group", "update_weights_from_distributed", "flush_cache"]
+    assert engine.engine.calls[0][1] == init
+    assert engine.engine.calls[1][1]["flush_cache"] is False  # flushed once, at the end
+    engine.transfer("abort", "engine 2 failed")  # its group goes; no version is served
+    assert engine.weight_version is None and engine._torn == "engine 2 failed"
+    assert engine.engine.calls[-1] == ("destroy_weights_update_group", {"group_name": "g"})
+
+
+def test_sglangs_refusal_of_an_update_is_a_weight_sync_error_with_its_message():
+    from mcore_rl.wire import WeightSyncError
+
+    engine = _engine_over(_SGLangCalls(fail="update_weights_from_distributed"))
+    with pytest.raises(WeightSyncError, match="update_weights_from_distributed failed"):
+        engine.transfer("update", {"names": [], "dtypes": [], "shapes": [], "group_name": "g"})

@@ -819,11 +819,13 @@ class _SGLangStandIn:
             self.version, self.groups = None, {}
 
 
-def _controller_group(*, backend, init_method, world_size, rank, group_name):
+def _controller_group(*, backend, init_method, world_size, rank, group_name, timeout):
     """The controller's side, as SGLang's helper makes it, over gloo (the TCP store's host)."""
     import datetime
 
     import torch.distributed as dist
+
+    assert timeout.total_seconds() > 0  # the rendezvous is bounded
 
     host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world_size, is_master=True, wait_for_workers=False)
