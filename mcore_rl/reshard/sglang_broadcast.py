@@ -190,6 +190,7 @@ class SGLangBroadcastSync:
             update = {"names": [n for n, _ in tensors], "dtypes": [wire] * len(tensors),
                       "shapes": [list(x.shape) for _, x in tensors]}
             for e, (name, pg) in enumerate(self.groups):
+                received = None
                 try:
                     received = self._pool.submit(self.engines[e].transfer, "update",
                                                  {**update, "group_name": name})
@@ -197,6 +198,8 @@ class SGLangBroadcastSync:
                         pg.broadcast(x, 0).wait()
                     received.result(timeout=JOIN_TIMEOUT_S)
                 except Exception as err:  # noqa: BLE001 - agreed on below
+                    if received is not None and received.done() and received.exception():
+                        err = received.exception()  # the engine's reason, not the wait's
                     error = (f"weight sync into SGLang, engine {e + 1}, bucket {k + 1}/"
                              f"{len(self.plan.buckets)}: {err}")
                     self._drop_groups()  # before any more work on this GPU

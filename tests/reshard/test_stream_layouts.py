@@ -780,13 +780,16 @@ class _SGLangStandIn:
     """SGLang's side of ``init_weights_update_group`` / ``update_weights_from_distributed``
     as `SGLangEngine.transfer` drives it: one receiving worker in a gloo group with the
     controller (rank 0), taking each broadcast tensor of a bucket by name, dtype and shape.
-    ``fail_bucket``: (sync, bucket) whose load fails after the tensors arrived."""
+    ``fail_bucket``: (sync, bucket) whose load fails after the tensors arrived;
+    ``fail_before``: (sync, bucket) refused before anything is received (as SGLang's checks
+    of the request refuse it), which leaves the controller's broadcast without a receiver."""
 
     tp = 1
 
-    def __init__(self, fail_bucket=None):
+    def __init__(self, fail_bucket=None, fail_before=None):
         self.calls, self.weights, self.version, self.groups = [], {}, None, {}
-        self.fail_bucket, self.syncs, self.buckets = fail_bucket, 0, 0
+        self.fail_bucket, self.fail_before = fail_bucket, fail_before
+        self.syncs, self.buckets = 0, 0
 
     def transfer(self, step, payload=None):
         import datetime
@@ -803,9 +806,11 @@ class _SGLangStandIn:
             store = dist.TCPStore(host, port, payload["world_size"], is_master=False)
             self.groups[payload["group_name"]] = dist.ProcessGroupGloo(
                 dist.PrefixStore(payload["group_name"], store), payload["rank_offset"],
-                payload["world_size"], datetime.timedelta(seconds=60))
+                payload["world_size"], datetime.timedelta(seconds=STAND_IN_TIMEOUT_S))
         elif step == "update":
             self.buckets += 1
+            if (self.syncs, self.buckets) == self.fail_before:
+                raise RuntimeError("SGLang's update_weights_from_distributed: group not found")
             group = self.groups[payload["group_name"]]
             for name, dtype, shape in zip(payload["names"], payload["dtypes"], payload["shapes"]):
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
@@ -831,13 +836,14 @@ def _controller_group(*, backend, init_method, world_size, rank, group_name, tim
     store = dist.TCPStore(host, int(port), world_size, is_master=True, wait_for_workers=False)
     _controller_group.stores.append(store)  # held for the group's life
     return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size,
-                                 datetime.timedelta(seconds=60))
+                                 datetime.timedelta(seconds=STAND_IN_TIMEOUT_S))
 
 
 _controller_group.stores = []
+STAND_IN_TIMEOUT_S = 10  # gloo's wait for a peer (NCCL's side: the controller aborts its group)
 
 
-def _sglang_sync(rank, world_size, layout, hf_dir, syncs, fail_bucket=None):
+def _sglang_sync(rank, world_size, layout, hf_dir, syncs, fail_bucket=None, fail_before=None):
     """SGLangBroadcastSync at ``layout`` into two stand-in engines: per sync what each holds
     and its version, or the error on this rank; then each engine's calls."""
     from mcore_rl.models.provider import build_model
@@ -849,7 +855,8 @@ def _sglang_sync(rank, world_size, layout, hf_dir, syncs, fail_bucket=None):
     try:
         built = build_model(hf_dir, ctx)
         plan = _whole_plan(built, rank)
-        engines = [_SGLangStandIn(), _SGLangStandIn(fail_bucket)] if rank == 0 else []
+        engines = [_SGLangStandIn(), _SGLangStandIn(fail_bucket, fail_before)] \
+            if rank == 0 else []
         sync = SGLangBroadcastSync(built.chunks, plan, engines=engines,
                                    make_group=_controller_group, device="cpu", backend="gloo",
                                    address=lambda: ("127.0.0.1", free_port()))
@@ -885,13 +892,17 @@ def test_sglang_nccl_updates_give_each_engine_the_checkpoint_bucket_by_bucket(wo
     assert first["sent"] == 2 * checkpoint_bytes
 
 
-def test_an_sglang_update_failing_fails_the_sync_everywhere_and_the_next_one_rejoins(world,
-                                                                                      models):
+@pytest.mark.parametrize("where, cause", [("fail_bucket", "load_weights failed"),
+                                          ("fail_before", "group not found")])
+def test_an_sglang_update_failing_fails_the_sync_everywhere_and_the_next_one_rejoins(
+        world, models, where, cause):
+    """A load that fails after its tensors arrived, or a request refused before the engine
+    receives anything (the controller's broadcast then has no receiver: it fails at the
+    group's timeout here; on NCCL the controller aborts the group): no rank hangs."""
     hf_dir, _, expected = models["qwen2-tied"]
-    results = world.run(_sglang_sync, LAYOUTS["TP2xPP2"][:2], hf_dir, 2, fail_bucket=(1, 2))
+    results = world.run(_sglang_sync, LAYOUTS["TP2xPP2"][:2], hf_dir, 2, **{where: (1, 2)})
     errors = {r[0]["error"] for r in results}
-    assert len(errors) == 1 and "engine 2, bucket 2/" in (e := errors.pop()) and \
-        "load_weights failed" in e
+    assert len(errors) == 1 and "engine 2, bucket 2/" in (e := errors.pop()) and cause in e
     controller = results[0]
     assert controller[0]["versions"] == [None, None]  # both told: neither serves a version
     second, calls = controller[1], controller[-1]
