@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from mcore_rl.reshard.engine_pass import agree, engines_ready, plan_for_config
 from mcore_rl.reshard.gather import gather_tensor
 from mcore_rl.reshard.plan import ReshardPlan
 from mcore_rl.reshard.sync_stats import SyncStats
@@ -299,14 +300,7 @@ class NativeWeightSync:
     def from_config(cls, chunks: list, arch, cfg, *, engines: list | None = None,
                     controller: int = 0, group=None) -> "NativeWeightSync":
         """From a `ReshardConfig` (``cfg.reshard``), as `WeightSync.from_config`."""
-        from mcore_rl.models.gpt import DTYPES
-        from mcore_rl.parallel.agreement import all_gather
-        from mcore_rl.reshard.sources import local_holdings, parameters
-
-        holdings = all_gather(local_holdings(chunks, dist.get_rank())[0], group)
-        wire = DTYPES.get(cfg.wire_dtype) or parameters(chunks)[0].dtype
-        plan = ReshardPlan.build([h for hs in holdings for h in hs], arch,
-                                 int(cfg.bucket_mb * 2**20) // 2, wire)
+        plan = plan_for_config(chunks, arch, cfg, group)
         return cls(chunks, plan, cfg.transport, engines=engines or [], controller=controller,
                    group=group, full_every=cfg.full_every if cfg.delta else 1)
 
@@ -325,10 +319,7 @@ class NativeWeightSync:
                                  engine_ranks=engine_ranks)
 
     def _agree(self, error: str | None) -> str | None:
-        """The first rank's error (in group order), on every rank; None if none failed."""
-        from mcore_rl.parallel.agreement import all_gather
-
-        return next((e for e in all_gather(error, self.group) if e is not None), None)
+        return agree(error, self.group)
 
     def call_engines(self, call) -> None:
         """``call(engine)`` for every engine, in order."""
@@ -366,14 +357,8 @@ class NativeWeightSync:
         """The controller's engines, ready to receive (woken, alive); why not, or None."""
         if not self.is_controller:
             return None
-        try:
-            for engine in self.engines:
-                if wake:
-                    engine.wake_weights()
-                engine.transfer("check")
-        except Exception as err:  # noqa: BLE001 - agreed on by the caller
-            return f"weight sync through vLLM's {self.transport} backend: {err}"
-        return None
+        return engines_ready(self.engines, wake,
+                             f"weight sync through vLLM's {self.transport} backend")
 
     def _send_full(self, wake: bool) -> tuple[str | None, int]:
         """Every tensor to each engine in turn, vLLM's trainer driving the pass."""

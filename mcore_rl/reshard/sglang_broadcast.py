@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from mcore_rl.reshard.engine_pass import agree, engines_ready, plan_for_config
 from mcore_rl.reshard.gather import gather_tensor
 from mcore_rl.reshard.plan import ReshardPlan
 from mcore_rl.reshard.sync_stats import SyncStats
@@ -86,21 +87,12 @@ class SGLangBroadcastSync:
                     engines: list | None = None, controller: int = 0,
                     group=None) -> "SGLangBroadcastSync":
         """From a `ReshardConfig` (``cfg.reshard``), as `WeightSync.from_config`."""
-        from mcore_rl.models.gpt import DTYPES
-        from mcore_rl.parallel.agreement import all_gather
-        from mcore_rl.reshard.sources import local_holdings, parameters
-
-        holdings = all_gather(local_holdings(chunks, dist.get_rank())[0], group)
-        wire = DTYPES.get(cfg.wire_dtype) or parameters(chunks)[0].dtype
-        plan = ReshardPlan.build([h for hs in holdings for h in hs], arch,
-                                 int(cfg.bucket_mb * 2**20) // 2, wire)
+        plan = plan_for_config(chunks, arch, cfg, group)
         return cls(chunks, plan, engines=engines or [], make_group=make_group,
                    controller=controller, group=group)
 
     def _agree(self, error: str | None) -> str | None:
-        from mcore_rl.parallel.agreement import all_gather
-
-        return next((e for e in all_gather(error, self.group) if e is not None), None)
+        return agree(error, self.group)
 
     def _connect(self) -> None:
         """One group per engine, the controller as rank 0 (collective: every rank learns
@@ -164,14 +156,7 @@ class SGLangBroadcastSync:
     def _preflight(self, wake: bool) -> str | None:
         if not self.is_controller:
             return None
-        try:
-            for engine in self.engines:
-                if wake:
-                    engine.wake_weights()
-                engine.transfer("check")
-        except Exception as err:  # noqa: BLE001 - agreed on by the caller
-            return f"weight sync into SGLang: {err}"
-        return None
+        return engines_ready(self.engines, wake, "weight sync into SGLang")
 
     def _send(self, version: int, wake: bool) -> tuple[str | None, int]:
         """Every bucket: gathered (every rank), then broadcast to each engine in turn while
