@@ -117,6 +117,16 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _label(proc, handle) -> str:
+    """How a failure names an engine process: its title (vLLM's ``VLLM::EngineCore``), or
+    where the title did not take (`mcore_rl.process_title`), the name it was started
+    under."""
+    cmdline = proc.cmdline() or [proc.name()]
+    if handle is not None and len(cmdline) > 1 and "multiprocessing" in " ".join(cmdline):
+        return handle.name
+    return cmdline[0]
+
+
 class EngineProcesses:
     """The processes of one engine, fixed when the engine started: how each is named, and
     where this process started them itself, their `multiprocessing` handles (which know the
@@ -129,11 +139,11 @@ class EngineProcesses:
 
         self.name = name
         self.procs, self.labels = {}, {}
+        self.handles = {p.pid: p for p in multiprocessing.active_children() if p.pid in pids}
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 self.procs[pid] = psutil.Process(pid)
-                self.labels[pid] = (self.procs[pid].cmdline() or [self.procs[pid].name()])[0]
-        self.handles = {p.pid: p for p in multiprocessing.active_children() if p.pid in pids}
+                self.labels[pid] = _label(self.procs[pid], self.handles.get(pid))
         self.exit_codes: dict[int, int] = {}
         """How our children ended, read the moment they did (whoever reaps them later)."""
         self._noted = {pid: threading.Event() for pid in self.handles}

@@ -245,10 +245,13 @@ class HostedLLM:
     callable that makes the ``LLM`` from ``llm_kwargs`` in the host (default: ``vllm.LLM``)."""
 
     def __init__(self, llm_kwargs: dict[str, Any], factory: Callable[..., Any] | None = None):
+        from mcore_rl.process_title import titled  # setproctitle comes with vLLM
+
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self.proc = context.Process(target=serve, args=(child, llm_kwargs, factory or _vllm_llm),
-                                    daemon=True, name=PROCESS_TITLE)
+        self.proc = context.Process(  # named before the arguments import vLLM (`titled`)
+            target=titled, args=(PROCESS_TITLE, serve, child, llm_kwargs, factory or _vllm_llm),
+            daemon=True, name=PROCESS_TITLE)
         self.proc.start()
         child.close()
         self._receive("starting the engine")
@@ -305,9 +308,6 @@ def serve(conn, llm_kwargs: dict[str, Any], factory: Callable[..., Any]) -> None
     """The host's loop: make the ``LLM``, then run each ``(fn, args)`` received as
     ``fn(llm, *args)`` and answer ``("ok", result)`` or ``("error", exception)``; return
     when the connection closes."""
-    import setproctitle
-
-    setproctitle.setproctitle(PROCESS_TITLE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner ends the run; the host follows
     try:
         llm = factory(**llm_kwargs)

@@ -90,32 +90,28 @@ def test_a_generation_whose_engine_is_killed_fails_within_60s_naming_the_signal(
 
 
 MARK = "MCORE_RL_TEST_RUN"
-
-
-def marked_engine_cores(mark: str) -> list[int]:
-    """vLLM engine cores whose environment holds ``MARK=mark`` (those of one run: the run's
-    processes inherit the environment of the command that started them)."""
-    out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            # AsyncLLM's engine core retitles itself over its environment block: its parent
-            # (the rollout role's process) holds the mark then
-            if proc.info["cmdline"][:1] == ["VLLM::EngineCore"] and mark in (
-                    proc.environ().get(MARK), proc.parent().environ().get(MARK)):
-                out.append(proc.pid)
-        except (psutil.Error, TypeError):
-            pass
-    return out
+KILLED = "killed_engine_cores.txt"
 
 
 def reward_that_kills_the_engine_at_step_2(prompt, response, meta):
-    """Exact match; the 17th call (step 2, with 16 samples per step) kills the run's engine
-    core (the reward runs in a process apart from the engine's)."""
+    """Exact match; the 17th call (step 2, with 16 samples per step, scored in the trainer's
+    process) kills the run's engine core: the child of the rollout process that the run's
+    ``processes.json`` names (``MARK`` holds the run's logging.dir), and writes its pid to
+    ``KILLED`` there. An exception here would only count as a reward error, so a miss is
+    written down instead, for the test to report."""
+    from tests.rl.test_replica_failure import engine_core
+
     global _calls
     _calls = globals().get("_calls", 0) + 1
     if _calls == 17:
-        for pid in marked_engine_cores(os.environ[MARK]):
-            os.kill(pid, signal.SIGKILL)
+        run = Path(os.environ[MARK])
+        try:
+            owner = json.loads((run / "processes.json").read_text())["processes"]["rollout#0"][0]
+            core = engine_core(owner)
+            os.kill(core, signal.SIGKILL)
+            (run / KILLED).write_text(str(core))
+        except Exception as err:  # noqa: BLE001 - reported by the test
+            (run / KILLED).write_text(f"not killed: {type(err).__name__}: {err}")
     return float(response.strip() == str(meta["answer"]))
 
 
@@ -126,7 +122,9 @@ def test_an_engine_killed_before_a_weight_sync_ends_the_run_with_the_named_error
          f"reward.name={__name__}:reward_that_kills_the_engine_at_step_2",
          f"logging.dir={tmp_path}"],
         capture_output=True, text=True, cwd=REPO, timeout=300,
-        env={**os.environ, MARK: tmp_path.name})
+        env={**os.environ, MARK: str(tmp_path)})
+    killed = (tmp_path / KILLED).read_text() if (tmp_path / KILLED).exists() else "no kill"
+    assert killed.isdigit(), killed
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("mcore-rl train: error")]
     assert len(errors) == 1, proc.stderr[-3000:]

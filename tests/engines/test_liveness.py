@@ -1,0 +1,48 @@
+"""How `EngineProcesses` names an engine's processes in a failure: by their title, or,
+where the title did not take (setproctitle could not find the command line), by the name
+the process was started under, not as the Python executable."""
+import multiprocessing
+import time
+
+import pytest
+
+from mcore_rl.engines.liveness import EngineProcesses
+from mcore_rl.process_title import titled
+
+
+@pytest.fixture
+def spawned():
+    procs = []
+
+    def start(target, args, name):
+        proc = multiprocessing.get_context("spawn").Process(target=target, args=args, name=name,
+                                                            daemon=True)
+        proc.start()
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.join()
+
+
+def _label(proc, expected: str, within_s: float = 60.0) -> str:
+    """The label of ``proc`` once its command line reads ``expected`` (a spawned process
+    sets its title after its imports), or the last one seen."""
+    deadline = time.monotonic() + within_s
+    while True:
+        label = EngineProcesses("vllm", {proc.pid}).labels[proc.pid]
+        if label == expected or time.monotonic() > deadline:
+            return label
+        time.sleep(0.1)
+
+
+def test_a_titled_process_is_named_by_its_title(spawned):
+    proc = spawned(titled, ("VLLM::EngineCore", time.sleep, 60), "EngineCore_DP0")
+    assert _label(proc, "VLLM::EngineCore") == "VLLM::EngineCore"
+
+
+def test_an_untitled_process_is_named_as_it_was_started_not_as_python(spawned):
+    proc = spawned(time.sleep, (60,), "EngineCore_DP0")
+    assert _label(proc, "EngineCore_DP0", within_s=5.0) == "EngineCore_DP0"
