@@ -92,16 +92,20 @@ def _engine_environment(values: dict[str, str | None]):
 
 
 def _child_pids() -> set[int]:
-    """This process's descendants that are vLLM processes (named ``VLLM::...`` by vLLM)."""
+    """This process's descendants that are vLLM processes: named ``VLLM::...`` by vLLM, or,
+    where that title did not take (`mcore_rl.process_title`), spawned by `multiprocessing`
+    (vLLM starts its engine core and workers so; its resource tracker is not spawned)."""
     import psutil
 
     pids = set()
     for proc in psutil.Process().children(recursive=True):
         try:
-            if proc.cmdline()[:1] and proc.cmdline()[0].startswith("VLLM::"):
-                pids.add(proc.pid)
+            cmdline = proc.cmdline()
         except psutil.Error:
-            pass
+            continue
+        if cmdline[:1] and cmdline[0].startswith("VLLM::") or \
+                "from multiprocessing.spawn import" in " ".join(cmdline):
+            pids.add(proc.pid)
     return pids
 
 

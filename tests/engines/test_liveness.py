@@ -46,3 +46,24 @@ def test_a_titled_process_is_named_by_its_title(spawned):
 def test_an_untitled_process_is_named_as_it_was_started_not_as_python(spawned):
     proc = spawned(time.sleep, (60,), "EngineCore_DP0")
     assert _label(proc, "EngineCore_DP0", within_s=5.0) == "EngineCore_DP0"
+
+
+def test_an_engines_processes_are_found_titled_or_not_and_nothing_else_is(spawned, tmp_path):
+    """`_child_pids`: what an engine's start added is watched and killed with it, whether
+    vLLM's title took or not; a plain subprocess is not the engine's."""
+    import subprocess
+    import sys
+
+    from mcore_rl.engines.vllm_engine import _child_pids
+
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        titled_proc = spawned(titled, ("VLLM::EngineCore", time.sleep, 60), "EngineCore")
+        untitled = spawned(time.sleep, (60,), "EngineCore_DP0")
+        _label(titled_proc, "VLLM::EngineCore")
+        found = _child_pids()
+    finally:
+        plain.kill()
+        plain.wait()
+    assert {titled_proc.pid, untitled.pid} <= found, found
+    assert plain.pid not in found
