@@ -29,8 +29,9 @@ from typing import Any, Callable
 from mcore_rl.engines import vllm_shim
 
 PROCESS_TITLE = "VLLM::EngineCore"
-"""The host's name in ``ps`` (its command line): the engine core runs in it, and the owner
-finds its engine's processes by vLLM's ``VLLM::`` prefix."""
+"""The host's name in ``ps`` (its command line), set before anything else runs in it
+(`mcore_rl.process_title`): the engine core runs in it, and it is named as vLLM names its
+own engine core."""
 
 
 @dataclass(frozen=True)
