@@ -1,8 +1,10 @@
-"""`mcore_rl.process_title.titled`: a spawned process is named even when unpickling its
-arguments sets the first environment variable again (as importing vLLM, torch or OpenCV
-does to several), which leaves setproctitle unable to find the command line if it is first
-imported after that. The spawning process runs with a variable of the test's first in its
-environment, so the child inherits it as its first one."""
+"""`mcore_rl.process_title`: a spawned process is named whatever its environment went
+through first. setproctitle, called by the target itself, misses when the first environment
+variable was set again before (as the parent's ``__main__`` module does when the child runs
+it, a Ray worker's importing Ray, and as unpickling the arguments does, importing vLLM,
+torch or OpenCV). The spawning process runs with a variable of the test's first in its
+environment, so the child inherits it as its first one; both the child's run of the main
+module and the unpickling of an argument set it again."""
 import json
 import os
 import subprocess
@@ -15,6 +17,9 @@ SPAWNER = r'''
 import json, multiprocessing, os, sys, time
 
 import psutil
+
+if __name__ == "__mp_main__":  # the child runs this module first, as Ray's worker module
+    os.environ["MCORE_RL_FIRST"] = "set by the main module"
 
 
 def set_first_variable_again():

@@ -91,21 +91,36 @@ def _engine_environment(values: dict[str, str | None]):
                 os.environ[k] = v
 
 
+VLLM_PROCESS_NAMES = ("VLLM::", "EngineCore", "VllmWorker")
+"""How the processes that start an engine are named where this process starts them (their
+`multiprocessing` name): our host, vLLM's engine core, vLLM's workers (in-process engine)."""
+
+
 def _child_pids() -> set[int]:
-    """This process's descendants that are vLLM processes: named ``VLLM::...`` by vLLM, or,
-    where that title did not take (`mcore_rl.process_title`), spawned by `multiprocessing`
-    (vLLM starts its engine core and workers so; its resource tracker is not spawned)."""
+    """The engine processes among this process's descendants: its `multiprocessing`
+    children that `VLLM_PROCESS_NAMES` name, and what they spawned in turn (vLLM's workers),
+    titled ``VLLM::...`` by vLLM or, where the title did not take
+    (`mcore_rl.process_title`), started by `multiprocessing` (not their compilers)."""
+    import multiprocessing
+
     import psutil
 
-    pids = set()
-    for proc in psutil.Process().children(recursive=True):
+    roots = {p.pid for p in multiprocessing.active_children()
+             if p.name.startswith(VLLM_PROCESS_NAMES)}
+    pids = set(roots)
+    for pid in roots:
         try:
-            cmdline = proc.cmdline()
+            below = psutil.Process(pid).children(recursive=True)
         except psutil.Error:
             continue
-        if cmdline[:1] and cmdline[0].startswith("VLLM::") or \
-                "from multiprocessing.spawn import" in " ".join(cmdline):
-            pids.add(proc.pid)
+        for proc in below:
+            try:
+                cmdline = proc.cmdline()
+            except psutil.Error:
+                continue
+            if cmdline[:1] and cmdline[0].startswith("VLLM::") or \
+                    "from multiprocessing.spawn import" in " ".join(cmdline):
+                pids.add(proc.pid)
     return pids
 
 

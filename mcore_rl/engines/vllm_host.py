@@ -29,7 +29,7 @@ from typing import Any, Callable
 from mcore_rl.engines import vllm_shim
 
 PROCESS_TITLE = "VLLM::EngineCore"
-"""The host's name in ``ps`` (its command line), set before anything else runs in it
+"""The host's name in ``ps`` (its command line), written as its target starts
 (`mcore_rl.process_title`): the engine core runs in it, and it is named as vLLM names its
 own engine core."""
 
@@ -246,11 +246,11 @@ class HostedLLM:
     callable that makes the ``LLM`` from ``llm_kwargs`` in the host (default: ``vllm.LLM``)."""
 
     def __init__(self, llm_kwargs: dict[str, Any], factory: Callable[..., Any] | None = None):
-        from mcore_rl.process_title import titled  # setproctitle comes with vLLM
+        from mcore_rl.process_title import titled
 
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self.proc = context.Process(  # named before the arguments import vLLM (`titled`)
+        self.proc = context.Process(  # named whatever its environment went through (`titled`)
             target=titled, args=(PROCESS_TITLE, serve, child, llm_kwargs, factory or _vllm_llm),
             daemon=True, name=PROCESS_TITLE)
         self.proc.start()

@@ -49,8 +49,9 @@ def test_an_untitled_process_is_named_as_it_was_started_not_as_python(spawned):
 
 
 def test_an_engines_processes_are_found_titled_or_not_and_nothing_else_is(spawned, tmp_path):
-    """`_child_pids`: what an engine's start added is watched and killed with it, whether
-    vLLM's title took or not; a plain subprocess is not the engine's."""
+    """`_child_pids`: what starts an engine (named as our host, vLLM's engine core or its
+    workers are) is watched and killed with it, whether vLLM's title took or not; another
+    spawned process of this one, or a plain subprocess, is not the engine's."""
     import subprocess
     import sys
 
@@ -58,12 +59,12 @@ def test_an_engines_processes_are_found_titled_or_not_and_nothing_else_is(spawne
 
     plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        titled_proc = spawned(titled, ("VLLM::EngineCore", time.sleep, 60), "EngineCore")
+        host = spawned(titled, ("VLLM::EngineCore", time.sleep, 60), "VLLM::EngineCore")
         untitled = spawned(time.sleep, (60,), "EngineCore_DP0")
-        _label(titled_proc, "VLLM::EngineCore")
+        other = spawned(time.sleep, (60,), "RewardWorker-1")
+        _label(host, "VLLM::EngineCore")
         found = _child_pids()
     finally:
         plain.kill()
         plain.wait()
-    assert {titled_proc.pid, untitled.pid} <= found, found
-    assert plain.pid not in found
+    assert found == {host.pid, untitled.pid}, (found, host.pid, untitled.pid, other.pid)
