@@ -117,12 +117,17 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def untitled_spawn(cmdline: list[str]) -> bool:
+    """Whether a command line is still that of a process `multiprocessing` spawned: its
+    title (vLLM's ``VLLM::...``) did not take (`mcore_rl.process_title`)."""
+    return "from multiprocessing.spawn import" in " ".join(cmdline)
+
+
 def _label(proc, handle) -> str:
     """How a failure names an engine process: its title (vLLM's ``VLLM::EngineCore``), or
-    where the title did not take (`mcore_rl.process_title`), the name it was started
-    under."""
+    where the title did not take, the name it was started under."""
     cmdline = proc.cmdline() or [proc.name()]
-    if handle is not None and len(cmdline) > 1 and "multiprocessing" in " ".join(cmdline):
+    if handle is not None and untitled_spawn(cmdline):
         return handle.name
     return cmdline[0]
 

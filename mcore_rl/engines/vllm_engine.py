@@ -33,7 +33,8 @@ import torch
 from mcore_rl.engines import vllm_host, vllm_shim
 from mcore_rl.engines.vllm_async import AsyncHost
 from mcore_rl.engines.base import Request, RolloutEngine, Rollouts, RolloutSample, SamplingConfig
-from mcore_rl.engines.liveness import EngineCalls, EngineOutput, EngineProcesses, watch_owner
+from mcore_rl.engines.liveness import (EngineCalls, EngineOutput, EngineProcesses, untitled_spawn,
+                                      watch_owner)
 from mcore_rl.engines.placement import plan_cpu_placement
 from mcore_rl.errors import UsageError
 from mcore_rl.engines.vllm_host import Completion, HostedLLM, LocalLLM
@@ -99,8 +100,8 @@ VLLM_PROCESS_NAMES = ("VLLM::", "EngineCore", "VllmWorker")
 def _child_pids() -> set[int]:
     """The engine processes among this process's descendants: its `multiprocessing`
     children that `VLLM_PROCESS_NAMES` name, and what they spawned in turn (vLLM's workers),
-    titled ``VLLM::...`` by vLLM or, where the title did not take
-    (`mcore_rl.process_title`), started by `multiprocessing` (not their compilers)."""
+    titled ``VLLM::...`` by vLLM or, where the title did not take, still as
+    `multiprocessing` spawned them (`untitled_spawn`; not their compilers)."""
     import multiprocessing
 
     import psutil
@@ -118,8 +119,7 @@ def _child_pids() -> set[int]:
                 cmdline = proc.cmdline()
             except psutil.Error:
                 continue
-            if cmdline[:1] and cmdline[0].startswith("VLLM::") or \
-                    "from multiprocessing.spawn import" in " ".join(cmdline):
+            if cmdline[:1] and cmdline[0].startswith("VLLM::") or untitled_spawn(cmdline):
                 pids.add(proc.pid)
     return pids
 

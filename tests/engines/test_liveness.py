@@ -48,7 +48,7 @@ def test_an_untitled_process_is_named_as_it_was_started_not_as_python(spawned):
     assert _label(proc, "EngineCore_DP0", within_s=5.0) == "EngineCore_DP0"
 
 
-def test_an_engines_processes_are_found_titled_or_not_and_nothing_else_is(spawned, tmp_path):
+def test_an_engines_processes_are_found_titled_or_not_and_nothing_else_is(spawned):
     """`_child_pids`: what starts an engine (named as our host, vLLM's engine core or its
     workers are) is watched and killed with it, whether vLLM's title took or not; another
     spawned process of this one, or a plain subprocess, is not the engine's."""

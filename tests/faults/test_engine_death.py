@@ -21,8 +21,10 @@ import psutil
 import pytest
 
 from mcore_rl.engines import SamplingConfig
+from mcore_rl.roles.graph import PROCESS_MAP
 from tests.flow.helpers import alive
 from tests.models.tiny_hf import save_tiny_hf_model
+from tests.rl.test_replica_failure import engine_core
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["rollout.engine=vllm", "train.warm_start_steps=0", "train.val_every=0",
@@ -87,21 +89,25 @@ MARK = "MCORE_RL_TEST_RUN"
 KILLED = "killed_engine_cores.txt"
 
 
+def run_engine_core(run: Path) -> int:
+    """The engine core of the run logging to ``run``: under the rollout process that its
+    process map names."""
+    owner = json.loads((run / PROCESS_MAP).read_text())["processes"]["rollout#0"][0]
+    return engine_core(owner)
+
+
 def reward_that_kills_the_engine_at_step_2(prompt, response, meta):
     """Exact match; the 17th call (step 2, with 16 samples per step, scored in the trainer's
     process) kills the run's engine core: the child of the rollout process that the run's
     ``processes.json`` names (``MARK`` holds the run's logging.dir), and writes its pid to
     ``KILLED`` there. An exception here would only count as a reward error, so a miss is
     written down instead, for the test to report."""
-    from tests.rl.test_replica_failure import engine_core
-
     global _calls
     _calls = globals().get("_calls", 0) + 1
     if _calls == 17:
         run = Path(os.environ[MARK])
         try:
-            owner = json.loads((run / "processes.json").read_text())["processes"]["rollout#0"][0]
-            core = engine_core(owner)
+            core = run_engine_core(run)
             os.kill(core, signal.SIGKILL)
             (run / KILLED).write_text(str(core))
         except Exception as err:  # noqa: BLE001 - reported by the test
@@ -143,11 +149,8 @@ def test_no_engine_process_outlives_a_killed_trainer(tmp_path):
         while not (metrics.exists() and metrics.read_text().strip()):
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
             time.sleep(0.2)
-        from tests.rl.test_replica_failure import engine_core
-
-        owner = json.loads((tmp_path / "processes.json").read_text())["processes"]["rollout#0"][0]
         try:
-            engine = [psutil.Process(engine_core(owner))]
+            engine = [psutil.Process(run_engine_core(tmp_path))]
         except AssertionError:
             engine = []
         engine += [c for p in engine for c in p.children(recursive=True)]

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from mcore_rl.engines.liveness import untitled_spawn
 from tests.rl.test_resume_after_kill import (metrics, stream_identities, trained_identities,
                                              wait_for_step)
 
@@ -52,7 +53,7 @@ def engine_core(controller_pid: int, within_s: float = 10.0) -> int:
         for proc in psutil.Process(controller_pid).children(recursive=True):
             try:
                 cmdline = proc.cmdline()
-                if "multiprocessing.spawn" in " ".join(cmdline):
+                if untitled_spawn(cmdline):
                     spawned[proc.pid] = proc.ppid()
             except psutil.Error as err:
                 seen.append((proc.pid, type(err).__name__))
