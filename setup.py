@@ -51,9 +51,11 @@ setup(
     },
     entry_points={
         "console_scripts": ["mcore-rl=mcore_rl.cli.main:main"],
-        # vLLM's worker processes load it: mcore-rl's weight-transfer backend
-        # (mcore_rl.engines.vllm_transfer), registered in each of them.
+        # vLLM's engine and worker processes load them: mcore-rl's weight-transfer backend
+        # (mcore_rl.engines.vllm_transfer), registered in each of them, and their names
+        # where vLLM's own title did not take (mcore_rl.engines.vllm_title).
         "vllm.general_plugins": [
-            "mcore_rl_weight_transfer=mcore_rl.engines.vllm_transfer:register"],
+            "mcore_rl_weight_transfer=mcore_rl.engines.vllm_transfer:register",
+            "mcore_rl_process_title=mcore_rl.engines.vllm_title:title_process"],
     },
 )

@@ -1,8 +1,11 @@
 """`VLLMEngine` on CPU: sampling semantics, the log-prob convention, weight updates, parameters.
 
 One engine for the module: tiny Qwen2 (QKV bias, tied embeddings), fp32, engine TP1. The
-oracle is HF transformers on the same weights (logits, greedy tokens).
+oracle is HF transformers on the same weights (logits, greedy tokens). It starts with a
+variable that vLLM sets again as it is imported first in the environment its engine core
+inherits, where setproctitle's title cannot take (`mcore_rl.engines.vllm_title`).
 """
+import ctypes
 import os
 
 import pytest
@@ -25,10 +28,28 @@ def dirs(tmp_path_factory):
             for seed in (0, 1, 2)}
 
 
+def put_first_in_environment(name: str, value: str) -> None:
+    """Make ``name`` the first variable of this process's environment (the one a spawned
+    process inherits first): every variable (those set past ``os.environ`` too) is unset,
+    then set again in order."""
+    environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    pairs = []
+    while environ[len(pairs)] is not None:
+        pairs.append(environ[len(pairs)].split(b"=", 1))
+    for key, _ in pairs:
+        os.unsetenv(key)
+    os.environ[name] = os.environ.get(name, value)
+    for key, val in pairs:
+        if key != name.encode():
+            os.putenv(key, val)
+    assert environ[0].startswith(f"{name}=".encode())
+
+
 @pytest.fixture(scope="module")
 def engine(dirs):
     from mcore_rl.engines.vllm_engine import VLLMEngine
 
+    put_first_in_environment("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # vLLM's env_override sets it
     engine = VLLMEngine(dirs[0], tp=1, max_model_len=128)
     engine.stream_interval = 1  # requests cut a token or so after they start
     yield engine
@@ -410,7 +431,8 @@ def test_generate_while_requests_run_returns_its_own_answers_and_leaves_theirs_a
 
 def test_on_cpu_at_tp1_the_engine_is_one_host_process_named_as_vllms_engine_core(engine):
     """vLLM's own layout on CPU is an engine-core process and a worker process even at TP1;
-    the host runs both in one (`mcore_rl.engines.vllm_host`)."""
+    the engine core runs both in one, and is named as vLLM names it although setproctitle
+    could not (the module's environment)."""
     import psutil
 
     from mcore_rl.engines.vllm_engine import _child_pids

@@ -43,8 +43,9 @@ def rollout_owner(run: Path, proc, timeout_s: float = 600) -> int:
 
 def engine_core(controller_pid: int, within_s: float = 10.0) -> int:
     """The vLLM engine core process a rollout controller started: its child titled
-    ``VLLM::EngineCore``, or, where vLLM's title did not take (`mcore_rl.process_title`: our
-    host always takes it, vLLM's own AsyncLLM core may not), its spawned child that is not
+    ``VLLM::EngineCore``, or, where the title did not take (`mcore_rl.process_title`; our
+    host and vLLM's plugin of ours write it, `mcore_rl.engines.vllm_title`), its spawned
+    child that is not
     multiprocessing's resource tracker. Looked for again for a while (under load the title
     may not read yet); what is there instead names the miss."""
     deadline = time.monotonic() + within_s
