@@ -13,7 +13,6 @@ spawned process's target.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from typing import Any, Callable
 
 PR_SET_NAME = 15
@@ -42,9 +41,7 @@ def set_title(title: str) -> bool:
     start, end = area
     data = title.encode()[:end - start - 1]
     ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
-    libc = ctypes.util.find_library("c")
-    if libc:
-        ctypes.CDLL(libc, use_errno=True).prctl(PR_SET_NAME, title.encode()[:15], 0, 0, 0)
+    ctypes.CDLL(None).prctl(PR_SET_NAME, title.encode()[:15], 0, 0, 0)  # libc, loaded already
     return True
 
 

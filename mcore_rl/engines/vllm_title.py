@@ -21,6 +21,7 @@ from __future__ import annotations
 import multiprocessing
 import re
 
+from mcore_rl.engines.liveness import untitled_spawn
 from mcore_rl.process_title import set_title
 
 ENGINE_CORE = re.compile(r"EngineCore(?:_DP(\d+))?$")
@@ -37,23 +38,16 @@ def intended_title(process_name: str, prefix: str = "VLLM") -> str | None:
     return f"{prefix}::EngineCore" + (f"_DP{rank}" if rank not in (None, "0") else "")
 
 
-def _current_title() -> str:
-    try:
-        with open("/proc/self/cmdline", "rb") as f:
-            return f.read().split(b"\0", 1)[0].decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def title_process() -> None:
     """The plugin: name an engine core as vLLM meant to, where vLLM's own title is missing.
     A name is no reason for an engine to fail: any error leaves the process as it was."""
     try:
+        import psutil
         from vllm import envs
 
-        prefix = envs.VLLM_PROCESS_NAME_PREFIX
-        title = intended_title(multiprocessing.current_process().name, prefix)
-        if title is not None and not _current_title().startswith(f"{prefix}::"):
+        title = intended_title(multiprocessing.current_process().name,
+                               envs.VLLM_PROCESS_NAME_PREFIX)
+        if title is not None and untitled_spawn(psutil.Process().cmdline()):
             set_title(title)
     except Exception:  # noqa: BLE001 - vLLM's plugin loader would end the engine with it
         pass
