@@ -1,5 +1,7 @@
 """Suite-wide rules: one CPU code path on every x86 machine; `gpu` tests skip without CUDA,
-`golden` tests on a kind of CPU with no golden values recorded; any other skip fails the run."""
+`golden` tests on a kind of CPU with no golden values recorded; any other skip fails the run.
+`learning` runs (minutes each) are left out of the default run (``-m "not learning"`` in
+pytest.ini) and run with ``pytest -m learning``."""
 from __future__ import annotations
 
 from tests.cpu_kernels import pin_cpu_kernels
@@ -14,6 +16,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "golden: replays golden values recorded on this kind of "
                             "CPU (tests/rl/golden/<kind>/); skipped on a kind with none")
+    config.addinivalue_line("markers", "learning: a learning run of minutes that proves a "
+                            "capability (a score rises); not in the default run, which replays "
+                            "its mechanics cheaply: run these with `pytest -m learning`")
 
 
 def pytest_collection_modifyitems(config, items):

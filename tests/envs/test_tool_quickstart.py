@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.learning
 def test_the_calculator_run_raises_the_held_out_score(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/tool_quickstart.yaml",

@@ -94,6 +94,20 @@ def test_greedy_val_score_follows_the_policy_through_the_rollout_engine(tmp_path
     assert values(history, "sync/verify_max_abs_diff")[0] < 1e-4  # engine and trainer agree
 
 
+def test_online_dpo_pairs_its_own_samples_by_reward_and_syncs_after_each_update(tmp_path):
+    """The loop of the learning run below, a few steps long (the default run's share)."""
+    history = shared_world(1).run(_run, "online_dpo_quickstart.yaml", [
+        f"logging.dir={tmp_path}", "train.steps=4", "train.val_every=2",
+        "train.warm_start_steps=20"])[0]
+    steps = [h for h in history if h["step"] > 0]
+    assert [h["step"] for h in steps] == [1, 2, 3, 4]
+    assert sum(h["pairs"] for h in steps) > 0 and all("reward/mean" in h for h in steps)
+    # the engine is synced after every step that updated the policy, and only then
+    assert sum("sync/seconds" in h for h in steps) == sum(h["pairs"] > 0 for h in steps)
+    assert len(values(history, "val/score")) == 3
+
+
+@pytest.mark.learning
 def test_online_dpo_raises_the_greedy_score_on_held_out_sums(tmp_path):
     history = shared_world(1).run(_run, "online_dpo_quickstart.yaml", [f"logging.dir={tmp_path}"])[0]
     greedy_rises(history)

@@ -4,12 +4,15 @@ replayed in the update (`configs/moe_quickstart.yaml`, as shipped)."""
 import json
 from pathlib import Path
 
+import pytest
+
 from mcore_rl.roles.graph import run_job
 from mcore_rl.config import load_config, validate_config
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.learning
 def test_grpo_with_a_moe_policy_at_ep2_raises_the_validation_score(tmp_path, capsys):
     cfg = validate_config(load_config(REPO / "configs" / "moe_quickstart.yaml", [
         f"logging.dir={tmp_path}", "logging.progress_bar=false", "logging.samples_every=0"]), 2)

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.learning
 def test_quickstart_lifts_the_validation_score_from_at_most_03_to_at_least_07(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mcore_rl.cli.main", "train", "configs/quickstart.yaml",

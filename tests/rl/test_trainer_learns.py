@@ -7,6 +7,8 @@ suite fast; the quick start (tests/rl/test_quickstart.py) runs the same loop on 
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.world import shared_world
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,6 +35,7 @@ def val_scores(history):
     return [h["val/score"] for h in history if "val/score" in h]
 
 
+@pytest.mark.learning
 def test_grpo_at_tp2_improves_the_validation_score(tmp_path):
     history = shared_world(2).run(_train, BASE + ["parallel.tp=2", f"logging.dir={tmp_path}"])[0]
     scores = val_scores(history)
@@ -42,6 +45,7 @@ def test_grpo_at_tp2_improves_the_validation_score(tmp_path):
     assert len(verified) == 10 and max(verified) < 1e-3, verified
 
 
+@pytest.mark.learning
 def test_ppo_with_critic_at_pp2_improves_reward_and_first_minibatch_ratio_is_exactly_one(tmp_path):
     overrides = BASE + ["parallel.pp=2", "algorithm.advantage_estimator=gae",
                         "algorithm.ppo_epochs=2", "algorithm.mini_batches=2",
