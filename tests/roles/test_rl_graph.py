@@ -1,8 +1,9 @@
 """The RL graph launched on Ray replays the golden runs (recorded with every role fused into
-the trainer's ranks, tests/rl/golden/runs.py) to round-off in every CPU placement: rollout,
-reward and trainer controllers of their own taking turns (colocated) or beside each other
-(separate), and fused, launched (all six replay; those here cover every phase the placements
-move between processes)."""
+the trainer's ranks, tests/rl/golden/runs.py) to round-off in the CPU placements that move
+roles between processes: rollout, reward and trainer controllers of their own taking turns
+(colocated) or beside each other (separate). Those here cover every phase the placements
+move; fused, the placement the golden runs are recorded in, replays all six in
+tests/rl/test_golden_runs.py, and launched on Ray in tests/roles/test_graph_hops.py."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ from tests.rl.test_golden_runs import _mismatches, golden
 # phase of the loop that the placements move between controllers.
 @pytest.mark.golden
 @pytest.mark.parametrize("name, placement", [("grpo_tp2", "colocated"), ("ppo_tp1", "colocated"),
-                                             ("grpo_tp1", "separate"), ("ppo_tp1", "fused")])
+                                             ("grpo_tp1", "separate")])
 def test_the_graph_replays_the_golden_run(tmp_path, name, placement):
     expected = golden(name)
     size, overrides = RUNS[name]
