@@ -57,13 +57,16 @@ def test_an_engines_processes_are_found_titled_or_not_and_nothing_else_is(spawne
 
     from mcore_rl.engines.vllm_engine import _child_pids
 
+    # what an engine closed earlier in this process left in `multiprocessing`'s children
+    # (reaped by psutil, so never joined), as `VLLMEngine` subtracts it when it starts
+    before = _child_pids()
     plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         host = spawned(titled, ("VLLM::EngineCore", time.sleep, 60), "VLLM::EngineCore")
         untitled = spawned(time.sleep, (60,), "EngineCore_DP0")
         other = spawned(time.sleep, (60,), "RewardWorker-1")
         _label(host, "VLLM::EngineCore")
-        found = _child_pids()
+        found = _child_pids() - before
     finally:
         plain.kill()
         plain.wait()
