@@ -13,6 +13,8 @@ import torch  # noqa: E402
 
 
 def pytest_configure(config):
+    global _config
+    _config = config
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "golden: replays golden values recorded on this kind of "
                             "CPU (tests/rl/golden/<kind>/); skipped on a kind with none")
@@ -50,6 +52,24 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid} was skipped ({reason}); only tests marked `gpu` or "
                            "`golden` may skip. Install what it needs (bash scripts/install.sh) or fix the test.")
+
+
+_SLOW_S = 45.0
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """A test of 45 s or more shows its time beside its dot, e.g. ``.[76s]``, so that a run cut
+    short (a CI limit) still says where its time went."""
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown":
+        total = _durations.pop(report.nodeid)
+        reporter = _config.pluginmanager.get_plugin("terminalreporter") if _config else None
+        if total >= _SLOW_S and reporter is not None:
+            reporter.write(f"[{total:.0f}s]", flush=True)
+
+
+_config = None
 
 
 @pytest.fixture(scope="session", autouse=True)
