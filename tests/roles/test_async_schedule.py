@@ -23,7 +23,7 @@ def _history(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_vllm_replicas_serve_one_run_and_every_sync_is_verified_on_both(tmp_path):
+def test_two_vllm_replicas_serve_one_run_and_every_sync_is_verified_on_both(ray_cluster, tmp_path):
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [
         f"logging.dir={tmp_path}", "train.steps=3", "train.max_staleness=1", "rollout.replicas=2",
         "train.warm_start_steps=40", "reshard.verify=true", "reshard.verify_every=1"]), 1)
@@ -41,7 +41,7 @@ def test_two_vllm_replicas_serve_one_run_and_every_sync_is_verified_on_both(tmp_
     assert sum(h["rollout/stale_dropped"] for h in steps) == 0
 
 
-def test_async_colocated_parks_running_requests_while_the_engine_sleeps(tmp_path):
+def test_async_colocated_parks_running_requests_while_the_engine_sleeps(ray_cluster, tmp_path):
     """Colocated, the trainer puts the engine to sleep for every update: the running
     requests stop before it sleeps and go on after it wakes (a step on a sleeping engine
     raises), so every step still trains within the bound."""
@@ -59,7 +59,7 @@ def test_async_colocated_parks_running_requests_while_the_engine_sleeps(tmp_path
 
 
 @pytest.mark.parametrize("on_stale", ["drop", "regenerate"])
-def test_a_stuck_replicas_groups_are_dropped_or_regenerated_and_counted(tmp_path, on_stale):
+def test_a_stuck_replicas_groups_are_dropped_or_regenerated_and_counted(ray_cluster, tmp_path, on_stale):
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [
         f"logging.dir={tmp_path}", "train.steps=4", "train.max_staleness=1", "rollout.replicas=2",
         "train.warm_start_steps=0",
@@ -79,7 +79,7 @@ def test_a_stuck_replicas_groups_are_dropped_or_regenerated_and_counted(tmp_path
         assert regenerated >= 1 and dropped % 4 == 0, (dropped, regenerated)
 
 
-def test_a_replica_killed_mid_run_ends_the_run_with_an_error_naming_it(tmp_path):
+def test_a_replica_killed_mid_run_ends_the_run_with_an_error_naming_it(ray_cluster, tmp_path):
     import time
 
     from mcore_rl.flow import FlowError

@@ -39,7 +39,7 @@ def _rm_scores(rank, world_size, path: str, prompts, responses):
     return scores.tolist()
 
 
-def test_the_reward_controller_scores_rollouts_with_a_trained_reward_model(tmp_path):
+def test_the_reward_controller_scores_rollouts_with_a_trained_reward_model(ray_cluster, tmp_path):
     world = shared_world(2)
     world.run(_train_reward_model, str(tmp_path / "rm"))
     run = tmp_path / "rl"

@@ -21,7 +21,7 @@ from tests.rl.test_golden_runs import _mismatches, golden
 @pytest.mark.golden
 @pytest.mark.parametrize("name, placement", [("grpo_tp2", "colocated"), ("ppo_tp1", "colocated"),
                                              ("grpo_tp1", "separate")])
-def test_the_graph_replays_the_golden_run(tmp_path, name, placement):
+def test_the_graph_replays_the_golden_run(ray_cluster, tmp_path, name, placement):
     expected = golden(name)
     size, overrides = RUNS[name]
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", BASE + overrides + [
@@ -36,7 +36,7 @@ def test_the_graph_replays_the_golden_run(tmp_path, name, placement):
         [h["weight_version"] - 1 for h in history if "weight_version" in h]
 
 
-def test_one_step_off_trains_each_step_on_the_rollout_of_the_weights_before(tmp_path):
+def test_one_step_off_trains_each_step_on_the_rollout_of_the_weights_before(ray_cluster, tmp_path):
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", BASE + [
         f"logging.dir={tmp_path}", "train.steps=5", "train.val_every=0",
         "train.schedule=one_step_off", "train.max_staleness=1", "rollout.placement=separate"]), 1)
@@ -55,7 +55,7 @@ def test_one_step_off_trains_each_step_on_the_rollout_of_the_weights_before(tmp_
     ["train.schedule=async", "train.max_staleness=0", "rollout.placement=separate"],
     ["rollout.replicas=2"],  # sync, colocated: a step's groups spread over two engines
 ], ids=["async-k0", "sync-two-replicas"])
-def test_prompt_groups_streamed_a_step_at_a_time_replay_the_golden_run(tmp_path, schedule):
+def test_prompt_groups_streamed_a_step_at_a_time_replay_the_golden_run(ray_cluster, tmp_path, schedule):
     """train.schedule=async with max_staleness 0 admits one step's prompt groups at a time:
     the synchronous schedule, step for step, whatever order the groups finish in; so does
     sync with two engine replicas taking the groups by load."""
