@@ -93,8 +93,6 @@ def wait_gone(tree: list[psutil.Process], within_s: float) -> list[str]:
 CASES = {  # case: (extra overrides, how to find the target, what the last line names)
     "trainer rank": ([], ("trainer#0", 1), "controller 'trainer' #0 failed while running: "
                                            "rank 0 of controller 'trainer' #0 (pid {pid}) died"),
-    "rollout controller": ([], ("rollout#0", 0), "controller 'rollout' #0 failed while running: "
-                                                 "its process (pid {pid}) died"),
     "reward controller": (OVERLAP, ("reward#0", 0), "controller 'reward' #0 failed while "
                                                     "running: its process (pid {pid}) died"),
     "stream hub": ([], ("hub", 0), "failed while running: the stream hub (pid {pid}) died"),
