@@ -1,8 +1,8 @@
-"""A DPO run killed with SIGKILL in the middle of a step and resumed with resume=auto logs
-exactly the same metrics (timings aside) as an uninterrupted run, greedy val/score
-included (the resumed run syncs the checkpoint's weights into its engine). The warm start
-made the reference, so the checkpoint carries it: a reference rebuilt from the initial
-model would change every loss."""
+"""A DPO run killed with SIGKILL in the middle of a step and resumed with resume=auto trains
+the step it lost again to the metrics (timings aside) that step logged before the kill,
+greedy val/score included (the resumed run syncs the checkpoint's weights into its engine).
+The warm start made the reference, so the checkpoint carries it: a reference rebuilt from
+the initial model would change every loss."""
 import json
 import os
 import signal
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mcore_rl.train.run_checkpoints import RunCheckpoints
 from tests.rl.test_resume_after_kill import wait_for_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,10 +36,7 @@ def metrics(log_dir) -> dict[int, dict]:
     return out
 
 
-def test_a_dpo_run_killed_mid_step_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path):
-    full = tmp_path / "full"
-    subprocess.run(command(full), cwd=REPO, check=True, capture_output=True, timeout=600)
-
+def test_a_dpo_run_killed_mid_step_redoes_the_lost_step_to_the_metrics_it_had(tmp_path):
     killed = tmp_path / "killed"
     proc = subprocess.Popen(command(killed), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -47,14 +45,19 @@ def test_a_dpo_run_killed_mid_step_resumes_to_the_metrics_of_an_uninterrupted_on
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
-    assert max(metrics(killed)) < STEPS
+    before = metrics(killed)
+    latest = RunCheckpoints(killed / "checkpoints").latest()  # where the resume starts
+    assert json.loads((latest / "run_state.json").read_text())["step"] == 2
+    assert 3 in before and "val/score" in before[3] and max(before) < STEPS
     subprocess.run(command(killed), cwd=REPO, check=True, capture_output=True, timeout=600)
 
-    expected, got = metrics(full), metrics(killed)
-    assert sorted(got) == list(range(STEPS + 1))
-    for step in range(STEPS + 1):
-        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
-    assert "val/score" in got[STEPS] and got[4]["loss"] != pytest.approx(expected[1]["loss"])
+    lines = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines][-(STEPS - 2):] == list(range(3, STEPS + 1))
+    redone = {k: v for k, v in lines[-(STEPS - 2)].items() if not k.startswith(SKIPPED)}
+    assert redone == pytest.approx(before[3], rel=1e-6, abs=1e-7)  # val/score included
+    got = metrics(killed)
+    assert sorted(got) == list(range(STEPS + 1)) and "val/score" in got[STEPS]
+    assert got[4]["loss"] != pytest.approx(got[1]["loss"])
     state = json.loads((killed / "checkpoints" / "step_000006" / "run_state.json").read_text())
     assert state["step"] == STEPS and len(state["losses"]) == STEPS
     assert (killed / "checkpoints" / "step_000006" / "reference").is_dir()

