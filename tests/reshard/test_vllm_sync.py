@@ -2,7 +2,7 @@
 
 Tiny Llama (untied, vocabulary padded 1003 -> 1024), Qwen2 (QKV bias, tied embeddings) and
 Qwen3 (per-head QK norm, untied), head_dim 32, fp32. Per model, engine replicas fed by the
-same sync (Llama and Qwen2: vLLM at engine TP1 and at engine TP2; Qwen3: TP2), started once
+same sync (Llama: vLLM at engine TP1; Qwen2: TP1 and TP2; Qwen3: TP2), started once
 from the config only (``load_format="dummy"``), from a trainer at TP2 x PP2 on 4 ranks:
 
 1. sync the initial weights; greedy tokens equal HF greedy of the initial checkpoint;
@@ -28,11 +28,13 @@ LAYOUT = (2, 2)
 # TP2 x PP2 splits both ways (TP or PP alone is a case of it; every layout's exact tensors
 # into an engine: tests/reshard/test_stream_layouts.py); the families differ in their
 # tensors (QKV bias, tied embeddings across stages, QK norm).
-# per model: (engine TP, placement) of its replicas; the TP1 engines cover both placements;
-# Qwen3 (one replica at engine TP2) adds only its QK norms (Qwen2 last: the tests after the parametrized one use its replicas, already running.)
-REPLICAS = {"llama-untied": ((1, "separate"), (2, "colocated")),
+# per model: (engine TP, placement) of its replicas. Qwen2's two replicas, one separate and one
+# colocated, are fed by the same sync; Llama adds its padded vocabulary (1003 -> 1024) at
+# engine TP1, Qwen3 its QK norms at engine TP2, whose vocabulary split is odd too. (Qwen2
+# last: the tests after the parametrized one use its replicas, already running.)
+REPLICAS = {"llama-untied": ((1, "colocated"),),
             "qwen3-untied": ((2, "colocated"),),
-            "qwen2-tied": ((1, "colocated"), (2, "colocated"))}
+            "qwen2-tied": ((1, "separate"), (2, "colocated"))}
 PROMPTS = [list(range(3, 43)), list(range(100, 140))]
 NEW_TOKENS = 6
 LOGPROB_TOL = 1e-4
