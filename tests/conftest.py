@@ -1,7 +1,8 @@
 """Suite-wide rules: one CPU code path on every x86 machine; `gpu` tests skip without CUDA,
 `golden` tests on a kind of CPU with no golden values recorded; any other skip fails the run.
-`learning` runs (minutes each) are left out of the default run (``-m "not learning"`` in
-pytest.ini) and run with ``pytest -m learning``."""
+`learning` runs (minutes each) and the benchmarks' end-to-end `bench` runs are left out of
+the default run (``-m "not learning and not bench"`` in pytest.ini) and run with
+``pytest -m learning`` and ``pytest -m bench``."""
 from __future__ import annotations
 
 from tests.cpu_kernels import pin_cpu_kernels
@@ -21,6 +22,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "learning: a learning run of minutes that proves a "
                             "capability (a score rises); not in the default run, which replays "
                             "its mechanics cheaply: run these with `pytest -m learning`")
+    config.addinivalue_line("markers", "bench: a benchmark's end-to-end quick run (`mcore-rl bench "
+                            "NAME --quick`: fresh processes on both sides, a minute or more); not "
+                            "in the default run, which checks every benchmark's arguments and "
+                            "the TRL comparison of `bench train`: run these with `pytest -m bench`")
 
 
 def pytest_collection_modifyitems(config, items):

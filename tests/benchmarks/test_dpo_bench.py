@@ -21,6 +21,7 @@ def measured(variants: dict) -> dict:
     return {name: v for name, v in variants.items() if "skipped" not in v}
 
 
+@pytest.mark.bench
 def test_both_sides_count_the_same_tokens_in_the_same_batches(report):
     s, variants = report["settings"], report["results"]["variants"]
     ours, trl = measured(variants["ours"]), measured(variants["baseline"])
@@ -44,6 +45,7 @@ def test_both_sides_count_the_same_tokens_in_the_same_batches(report):
     assert ref["pass_sequences"]["ours"] == ref["pass_sequences"]["baseline"] == 2 * s["pairs"]
 
 
+@pytest.mark.bench
 def test_the_best_variant_of_each_side_is_compared(report):
     r = report["results"]
     ours, trl = measured(r["variants"]["ours"]), measured(r["variants"]["baseline"])
@@ -66,6 +68,7 @@ def test_the_best_variant_of_each_side_is_compared(report):
         "precompute_ref_log_probs"]
 
 
+@pytest.mark.bench
 def test_the_reference_pass_is_reported_on_its_own(report):
     r = report["results"]
     ref, ours, trl = r["reference"], r["variants"]["ours"], r["variants"]["baseline"]
@@ -82,6 +85,7 @@ def test_the_reference_pass_is_reported_on_its_own(report):
     assert ours["on_the_fly"]["reference_pass"] is None
 
 
+@pytest.mark.bench
 def test_every_trl_variant_is_recorded_with_its_figure_or_why_it_did_not_run(report):
     trl = report["results"]["variants"]["baseline"]
     assert set(trl) == {"default", "precompute_ref_log_probs", "padding_free",

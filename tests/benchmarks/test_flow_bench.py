@@ -9,6 +9,7 @@ from mcore_rl.cli.main import main
 from mcore_rl.config import load_config
 
 
+@pytest.mark.bench
 def test_quick_bench_runs_the_same_steps_two_ways_and_compares_them(tmp_path, capsys):
     # The fused placement against the synchronous graph of its own controllers, with the
     # in-process HF engine (the placements compared are the subject; vLLM has its own tests).

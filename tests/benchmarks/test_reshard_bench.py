@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from mcore_rl.benchmarks.reshard import main
 
 TIME_KEYS = ["tiny_tp1_sync_time", "tiny_tp1_transfer_time", "tiny_tp1_apply_time"]
@@ -10,6 +12,7 @@ RATE_KEYS = ["tiny_tp1_sync_throughput", "tiny_tp1_transfer_throughput"]
 MEMORY_KEYS = ["tiny_tp1_transport_peak_extra_memory", "tiny_tp1_sync_peak_extra_memory"]
 
 
+@pytest.mark.bench
 def test_quick_benchmark_writes_time_throughput_and_memory_comparisons(tmp_path, capsys):
     out = tmp_path / "reshard.json"
     assert main(["--quick", "--json", str(out)]) == 0

@@ -36,6 +36,7 @@ def test_unknown_size_is_one_line_with_exit_2(tmp_path, capsys):
     assert len(err) == 1 and "unknown size 'huge'; choose from quickstart, smollm2" in err[0]
 
 
+@pytest.mark.bench
 def test_quick_schedule_bench_compares_each_schedule_and_continuous_batching_with_sync(tmp_path):
     out = tmp_path / "schedules.json"
     assert main(["bench", "train", "--json", str(out), "--quick", "--schedule", "sync,async"]) == 0

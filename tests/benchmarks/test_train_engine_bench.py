@@ -1,9 +1,12 @@
 """`mcore-rl bench train-engine --quick` writes the comparison JSON it promises."""
 import json
 
+import pytest
+
 from mcore_rl.cli.main import main
 
 
+@pytest.mark.bench
 def test_train_engine_bench_reports_ours_against_baselines(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "train-engine", "--quick", "--threads", "1", "--json", str(out)]) == 0
