@@ -61,6 +61,7 @@ def pytest_runtest_makereport(item, call):
 
 _SLOW_S = 45.0
 _durations: dict[str, float] = {}
+_config = None  # pytest's, for its terminal reporter (set in pytest_configure)
 
 
 def pytest_runtest_logreport(report):
@@ -72,9 +73,6 @@ def pytest_runtest_logreport(report):
         reporter = _config.pluginmanager.get_plugin("terminalreporter") if _config else None
         if total >= _SLOW_S and reporter is not None:
             reporter.write(f"[{total:.0f}s]", flush=True)
-
-
-_config = None
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -21,10 +21,10 @@ import psutil
 import pytest
 
 from mcore_rl.engines import SamplingConfig
+from mcore_rl.engines.liveness import untitled_spawn
 from mcore_rl.roles.graph import PROCESS_MAP
 from tests.flow.helpers import alive
 from tests.models.tiny_hf import save_tiny_hf_model
-from tests.rl.test_replica_failure import engine_core
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["rollout.engine=vllm", "train.warm_start_steps=0", "train.val_every=0",
@@ -35,6 +35,34 @@ RUN = ["rollout.engine=vllm", "train.warm_start_steps=0", "train.val_every=0",
 ENGINE_NAME = r"(VLLM::EngineCore|EngineCore_DP0)"
 """How a failure names vLLM's engine core: its title, or where vLLM's title did not take
 (`mcore_rl.process_title`), the name vLLM started it under."""
+
+
+def engine_core(controller_pid: int, within_s: float = 10.0) -> int:
+    """The vLLM engine core process a rollout controller started: its child titled
+    ``VLLM::EngineCore``, or, where the title did not take (`mcore_rl.process_title`; our
+    host and vLLM's plugin of ours write it, `mcore_rl.engines.vllm_title`), its spawned
+    child that is not multiprocessing's resource tracker. Looked for again for a while (under load the title
+    may not read yet); what is there instead names the miss."""
+    deadline = time.monotonic() + within_s
+    while True:
+        seen, spawned = [], {}
+        for proc in psutil.Process(controller_pid).children(recursive=True):
+            try:
+                cmdline = proc.cmdline()
+                if untitled_spawn(cmdline):
+                    spawned[proc.pid] = proc.ppid()
+            except psutil.Error as err:
+                seen.append((proc.pid, type(err).__name__))
+                continue
+            if cmdline[:1] and cmdline[0].startswith("VLLM::EngineCore"):
+                return proc.pid
+            seen.append((proc.pid, cmdline[:2]))
+        topmost = [pid for pid, parent in spawned.items() if parent not in spawned]
+        if len(topmost) == 1 and time.monotonic() > deadline - within_s / 2:
+            return topmost[0]  # its workers are spawned by it
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no engine core under rollout process {controller_pid}: {seen}")
+        time.sleep(0.2)
 
 
 def _of_run(root_pid: int) -> list[psutil.Process]:

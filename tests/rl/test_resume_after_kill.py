@@ -1,7 +1,8 @@
 """A run killed with SIGKILL in the middle of a step and resumed with resume=auto trains the
 step it lost again to exactly the metrics (timings aside) that step had before the kill (the
-synchronous schedule), and under the overlapping schedules trains every prompt of the stream exactly once, by its
-identity in ``samples.jsonl``: none twice, and none skipped but those counted as dropped."""
+synchronous schedule), and under the overlapping schedules trains every prompt of the stream
+exactly once, by its identity in ``samples.jsonl``: none twice, and none skipped but those
+counted as dropped."""
 import json
 import os
 import signal
@@ -71,8 +72,7 @@ def test_sigkill_mid_step_then_resume_auto_redoes_the_lost_step_exactly(tmp_path
     assert sorted(got) == list(range(STEPS + 1))
     for step in range(3):  # before the checkpoint: as logged
         assert got[step] == before[step]
-    redone = {k: v for k, v in lines[-(STEPS - 2)].items() if not k.startswith(TIMING)}
-    assert redone == before[3], "step 3 differs after the resume"
+    assert got[3] == before[3], "step 3 differs after the resume"  # the last record of step 3
 
 
 # --- exactly once: every prompt of the stream trained once across a kill and resume, under
