@@ -1,5 +1,7 @@
-"""`train.schedule: async` on real controllers: two vLLM replicas on disjoint cores both
-serve one run and every weight sync reaches (and is verified on) both; the staleness bound
+"""`train.schedule: async` on real controllers: two engine replicas on disjoint cores both
+serve one run and every weight sync reaches (and is verified on) both (the HF engine: two
+vLLM replicas under this schedule are `tests/rl/test_replica_failure.py`'s, a sync verified
+on vLLM replicas `tests/reshard/test_vllm_sync.py`'s); the staleness bound
 holds for every trained token, no prompt group is trained twice; a group a replica sits
 on arrives too old and is dropped, or regenerated, and counted either way; a replica killed
 mid-run ends the run with an error that names it, and nothing waits on it."""
@@ -23,9 +25,10 @@ def _history(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_vllm_replicas_serve_one_run_and_every_sync_is_verified_on_both(ray_cluster, tmp_path):
+def test_two_replicas_serve_one_run_and_every_sync_is_verified_on_both(ray_cluster, tmp_path):
     cfg = validate_config(load_config(REPO / "configs" / "quickstart.yaml", RUN + [
         f"logging.dir={tmp_path}", "train.steps=3", "train.max_staleness=1", "rollout.replicas=2",
+        "rollout.engine=hf",
         "train.warm_start_steps=40", "reshard.verify=true", "reshard.verify_every=1"]), 1)
     stats = run_job(cfg)
     per_replica = [s.items_out for s in stats.instances if s.role == "rollout"]
