@@ -7,6 +7,7 @@ from mcore_rl.cli.main import main
 from mcore_rl.config import load_config
 
 
+@pytest.mark.bench
 def test_quick_bench_trains_both_on_the_same_fixed_length_batches_and_compares_per_phase(tmp_path):
     out = tmp_path / "train.json"
     assert main(["bench", "train", "--json", str(out), "--quick"]) == 0
