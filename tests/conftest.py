@@ -24,8 +24,8 @@ def pytest_configure(config):
                             "its mechanics cheaply: run these with `pytest -m learning`")
     config.addinivalue_line("markers", "bench: a benchmark's end-to-end quick run (`mcore-rl bench "
                             "NAME --quick`: fresh processes on both sides, a minute or more); not "
-                            "in the default run, which checks every benchmark's arguments and "
-                            "the TRL comparison of `bench train`: run these with `pytest -m bench`")
+                            "in the default run, which checks every benchmark's arguments: run "
+                            "these with `pytest -m bench`")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -41,8 +41,8 @@ def engine_core(controller_pid: int, within_s: float = 10.0) -> int:
     """The vLLM engine core process a rollout controller started: its child titled
     ``VLLM::EngineCore``, or, where the title did not take (`mcore_rl.process_title`; our
     host and vLLM's plugin of ours write it, `mcore_rl.engines.vllm_title`), its spawned
-    child that is not multiprocessing's resource tracker. Looked for again for a while (under load the title
-    may not read yet); what is there instead names the miss."""
+    child that is not multiprocessing's resource tracker. Looked for again for a while
+    (under load the title may not read yet); what is there instead names the miss."""
     deadline = time.monotonic() + within_s
     while True:
         seen, spawned = [], {}

@@ -5,9 +5,8 @@ emulating nodes n1 and n2; installed with apt-get when missing; only the daemons
 here are stopped, also when a test fails. Every job runs on a Ray cluster of both nodes
 (a head on n1, a worker on n2), its driver ``mcore-rl train CONFIG`` (the RL graph with the
 asynchronous schedule at TP2) or a script (`RLTrainer` GRPO); ranks are spread so that every
-step crosses the two nodes. As the two nodes share this host, their
-ranks are told apart by Ray node id, and what a Ray job leaves behind by the processes
-naming its nodes' temp dirs.
+step crosses the two nodes. As the two nodes share this host, their ranks are told apart by
+Ray node id, and what a Ray job leaves behind by the processes naming its nodes' temp dirs.
 
 Requeue delay on Slurm 22.05.8: a requeued job may start again only after the job credential
 lifetime (``AuthInfo=...,cred_expire=N``, default 120 s) and then waits for the next
@@ -15,12 +14,12 @@ scheduling pass (``sched_interval``, default 60 s); with those defaults we measu
 from ``scontrol requeue`` to running again. This cluster sets cred_expire=5 (the smallest
 accepted) and sched_interval=2: measured 6-8 s. The preemption test prints its measurement
 (run pytest with -s to see it). On the 2-core development machine, shared with other work,
-the Ray job of 6 GRPO steps completed 19-22 s after submission, its preempted run (start, stop after a step, checkpoint,
-requeue, start again on clean nodes, resume, finish) 46-51 s after (the test's wall time),
-the failing flow launch 15 s. Preemption is tested once, on the script driver: the batch
-script that traps the signal and requeues is the same for every driver, and ``mcore-rl
-train`` stopping on the stop file and resuming from its checkpoint is tested in
-tests/launch/test_stop_signal.py.
+the Ray job of 6 GRPO steps completed 19-22 s after submission, its preempted run (start,
+stop after a step, checkpoint, requeue, start again on clean nodes, resume, finish) 46-51 s
+after (the test's wall time), the failing flow launch 15 s. Preemption is tested once, on
+the script driver: the batch script that traps the signal and requeues is the same for
+every driver, and ``mcore-rl train`` stopping on the stop file and resuming from its
+checkpoint is tested in tests/launch/test_stop_signal.py.
 """
 import json
 import re

@@ -1,10 +1,10 @@
 """`train.schedule: async` on real controllers: two engine replicas on disjoint cores both
 serve one run and every weight sync reaches (and is verified on) both (the HF engine: two
 vLLM replicas under this schedule are `tests/rl/test_replica_failure.py`'s, a sync verified
-on vLLM replicas `tests/reshard/test_vllm_sync.py`'s); the staleness bound
-holds for every trained token, no prompt group is trained twice; a group a replica sits
-on arrives too old and is dropped, or regenerated, and counted either way; a replica killed
-mid-run ends the run with an error that names it, and nothing waits on it."""
+on vLLM replicas `tests/reshard/test_vllm_sync.py`'s); the staleness bound holds for every
+trained token, no prompt group is trained twice; a group a replica sits on arrives too old
+and is dropped, or regenerated, and counted either way; a replica killed mid-run ends the
+run with an error that names it, and nothing waits on it."""
 from __future__ import annotations
 
 import json
