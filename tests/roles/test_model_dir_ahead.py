@@ -28,6 +28,8 @@ def test_the_model_is_written_ahead_once_and_discard_removes_it(tmp_path):
     assert ahead.fresh
     ahead.wait()
     assert (tmp_path / "initial_model" / "config.json").is_file()
-    assert not ModelDirAhead(cfg).fresh  # a second start (a resume) finds it written
+    second = ModelDirAhead(cfg)  # a second start (a resume) finds it written
+    second.wait()
+    assert not second.fresh
     ahead.discard()
     assert not list(tmp_path.glob("initial_model*"))
