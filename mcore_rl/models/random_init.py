@@ -5,11 +5,13 @@ Used when ``model.path`` is empty (the built-in quick start): the run then start
 directory like any other, so the rollout engine, conversion and export see a normal model.
 Writing one takes transformers (seconds of imports for a model of kilobytes), so a run
 copies it from the machine's cache (`cached_random_model`), where it is written once per
-architecture, token ids, seed and versions of the libraries that draw it.
+architecture, token ids, seed, code of `write_random_model` and versions of the libraries
+that draw it.
 """
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -19,8 +21,6 @@ import torch
 
 from mcore_rl.models.cache import COMPLETE, default_cache_dir, made_once
 
-CACHE_FORMAT = 1
-"""Bumped when what `write_random_model` writes changes: older copies are then not used."""
 
 
 class InlineArchitecture(Protocol):
@@ -72,12 +72,14 @@ def write_random_model(model: InlineArchitecture, out_dir: str | Path, vocab_siz
 
 def random_model_identity(model: InlineArchitecture, vocab_size: int, bos_id: int, eos_id: int,
                           pad_id: int, seed: int) -> dict:
-    """Everything the files of `write_random_model` depend on: its arguments, and the versions
-    of torch and transformers and torch's CPU kernels, which draw the weights."""
+    """Everything the files of `write_random_model` depend on: its arguments, its own code
+    (a change to it draws the models again), and the versions of torch and transformers and
+    torch's CPU kernels, which draw the weights."""
     import importlib.metadata
     import platform
 
-    return {"format": CACHE_FORMAT,
+    code = hashlib.sha256(inspect.getsource(write_random_model).encode()).hexdigest()[:16]
+    return {"code": code,
             "architecture": {name: getattr(model, name, 0) for name in
                              InlineArchitecture.__annotations__},
             "vocab_size": vocab_size, "bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id,
