@@ -22,7 +22,6 @@ import torch
 from mcore_rl.models.cache import COMPLETE, default_cache_dir, made_once
 
 
-
 class InlineArchitecture(Protocol):
     """The shape of a Llama given inline (e.g. the config's `ModelConfig`)."""
 
