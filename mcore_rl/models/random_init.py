@@ -88,13 +88,13 @@ def random_model_identity(model: InlineArchitecture, vocab_size: int, bos_id: in
 
 
 def cached_random_model(model: InlineArchitecture, vocab_size: int, bos_id: int, eos_id: int,
-                        pad_id: int, seed: int, cache_dir: Path | None = None) -> Path:
+                        pad_id: int, seed: int) -> Path:
     """The directory `write_random_model` writes for these arguments, in the cache
-    (``cache_dir``, default `default_cache_dir`), written there on first use."""
+    (`default_cache_dir`), written there on first use."""
     identity = random_model_identity(model, vocab_size, bos_id, eos_id, pad_id, seed)
     text = json.dumps(identity, sort_keys=True)
     key = hashlib.sha256(text.encode()).hexdigest()[:24]
-    out = (cache_dir or default_cache_dir()) / "random-models" / key
+    out = default_cache_dir() / "random-models" / key
     return made_once(out, lambda tmp: write_random_model(model, tmp, vocab_size, bos_id, eos_id,
                                                          pad_id, seed), note=text)
 

@@ -1,7 +1,7 @@
 """The random initial model of a run without ``model.path`` comes from the machine's cache
 (`mcore_rl.models.random_init.copy_random_model`): the same bytes as writing it, written into
-the cache once per architecture, token ids and seed, and written directly where the cache
-cannot be."""
+the cache once per architecture, token ids, seed and code that draws it, and written directly
+where the cache cannot be."""
 from __future__ import annotations
 
 from dataclasses import replace
