@@ -14,9 +14,11 @@ method of the function's object on every rank at once (`WorkerGroup.invoke`): th
 nodes evenly, rank 0 on the caller's node (`cluster.rank_nodes`)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
+import sys
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -186,6 +188,20 @@ class RankProcess:
         self.runtime.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        atexit.register(exit_without_teardown)  # the orderly exit that follows (`close`)
+
+
+def exit_without_teardown() -> None:
+    """At the exit of a rank's process, registered last so that it runs first: the other
+    exit handlers (Ray's own, which leave its cluster in order), then the end of the process
+    without the interpreter's teardown of every module, which takes seconds after torch and
+    Megatron were imported and which a launch's teardown would otherwise wait for."""
+    atexit.unregister(exit_without_teardown)
+    atexit._run_exitfuncs()  # noqa: SLF001 - the registered handlers, in their order
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def handoff(item: Any) -> Any:
