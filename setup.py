@@ -50,7 +50,7 @@ setup(
         "test": ["pytest", "pytest-timeout"],
     },
     entry_points={
-        "console_scripts": ["mcore-rl=mcore_rl.cli.main:main"],
+        "console_scripts": ["mcore-rl=mcore_rl.cli.main:run"],
         # vLLM's engine and worker processes load them: mcore-rl's weight-transfer backend
         # (mcore_rl.engines.vllm_transfer), registered in each of them, and their names
         # where vLLM's own title did not take (mcore_rl.engines.vllm_title).

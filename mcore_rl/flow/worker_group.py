@@ -18,7 +18,6 @@ import atexit
 import contextlib
 import os
 import signal
-import sys
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -28,9 +27,14 @@ from mcore_rl.flow.graph import build_function
 from mcore_rl.flow.item_loop import ItemLoop, Stage, close_all
 from mcore_rl.flow.placement import pin_to_cores, split_devices
 from mcore_rl.flow.processes import kill_process_group, lead_process_group
+from mcore_rl.process_exit import exit_now
 
 STORE_TIMEOUT = timedelta(minutes=30)
 """How long a rank waits on the world's store (joining, and every collective's setup)."""
+
+EXIT_WAIT_S = 5.0
+"""How long closing a worker group waits for its ranks' orderly exit (a fraction of a
+second: `exit_without_teardown`)."""
 
 RankSetup = Callable[[int, int], None]
 """Run on every rank after it joined the world, before the function is built: ``(rank,
@@ -194,14 +198,10 @@ class RankProcess:
 def exit_without_teardown() -> None:
     """At the exit of a rank's process, registered last so that it runs first: the other
     exit handlers (Ray's own, which leave its cluster in order), then the end of the process
-    without the interpreter's teardown of every module, which takes seconds after torch and
-    Megatron were imported and which a launch's teardown would otherwise wait for."""
+    without the interpreter's teardown of every module (`exit_now`), which a launch's
+    teardown would otherwise wait for."""
     atexit.unregister(exit_without_teardown)
-    atexit._run_exitfuncs()  # noqa: SLF001 - the registered handlers, in their order
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def handoff(item: Any) -> Any:
@@ -300,8 +300,11 @@ class WorkerGroup:
         except BaseException:
             self.kill()
             raise
-        for r in self.ranks:  # an orderly exit once its calls are done (a kill is reported)
-            r.__ray_terminate__.remote()
+        # an orderly exit once its calls are done (a kill is reported), waited for so that
+        # the ranks' exit handlers have run before a launch's teardown kills what is left
+        exits = [r.__ray_terminate__.remote() for r in self.ranks]
+        ray_shim.require().wait(exits, num_returns=len(exits), timeout=EXIT_WAIT_S,
+                                fetch_local=False)
 
     def kill(self) -> None:
         """Every rank's actor and the process groups they lead (engines they started)."""
