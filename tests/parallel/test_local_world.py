@@ -148,3 +148,40 @@ def test_an_idle_rank_collects_the_reference_cycles_its_last_call_left():
         world.run(_leave_a_cycle)
         time.sleep(IDLE_COLLECT_S + 1.0)  # the ranks wait idle
         assert world.run(_cycle_freed) == [True, True]
+
+
+class _Lingering:
+    """Logs, then sleeps 30 s, when the interpreter's module teardown deletes it (with what
+    it holds itself: the module's globals may be gone by then)."""
+
+    def __init__(self, log: str):
+        self.file, self.sleep = open(log, "a"), time.sleep  # noqa: SIM115
+
+    def __del__(self):
+        self.file.write("module_teardown\n")
+        self.file.flush()
+        self.sleep(30)
+
+
+_LINGERING: list = []
+
+
+def _linger_at_exit(rank, world_size, log):
+    import atexit
+
+    def note():
+        with open(log, "a") as f:
+            f.write(f"atexit {rank}\n")
+
+    atexit.register(note)
+    _LINGERING.append(_Lingering(log))
+
+
+def test_closing_runs_the_ranks_exit_handlers_without_waiting_for_their_module_teardown(tmp_path):
+    log = tmp_path / "exit.log"
+    world = SharedWorld(2)
+    world.run(_linger_at_exit, str(log))
+    start = time.monotonic()
+    world.close()
+    assert time.monotonic() - start < 10  # the rank's 30 s teardown did not run (nor a kill)
+    assert sorted(log.read_text().splitlines()) == ["atexit 0", "atexit 1"]
