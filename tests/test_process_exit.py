@@ -48,7 +48,7 @@ def _run(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, 
     env = {"PYTHONPATH": f"{tmp_path / 'site'}:{REPO}", "EXIT_LOG": str(log), "PATH": "/usr/bin:/bin"}
     start = time.monotonic()
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=120)
+                          env=env, timeout=60)
     return proc, time.monotonic() - start, _events(log)
 
 
@@ -80,3 +80,18 @@ def test_the_command_ends_without_the_module_teardown(tmp_path):
     assert "rollout:" in proc.stdout
     assert events == ["atexit"]
     assert seconds < 25
+
+
+def test_a_thread_pool_left_open_does_not_keep_the_process(tmp_path):
+    """Its threads end as at any exit (`threading`'s own exit hooks stop them first)."""
+    script = textwrap.dedent("""
+        from concurrent.futures import ThreadPoolExecutor
+        from mcore_rl.process_exit import exit_now
+
+        pool = ThreadPoolExecutor(2)
+        assert pool.submit(sum, [1, 2]).result() == 3
+        exit_now(5)
+    """)
+    proc, _, events = _run(["-c", script], tmp_path)
+    assert proc.returncode == 5, proc.stderr
+    assert events == ["atexit"]

@@ -14,7 +14,6 @@ method of the function's object on every rank at once (`WorkerGroup.invoke`): th
 nodes evenly, rank 0 on the caller's node (`cluster.rank_nodes`)."""
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import signal
@@ -27,14 +26,14 @@ from mcore_rl.flow.graph import build_function
 from mcore_rl.flow.item_loop import ItemLoop, Stage, close_all
 from mcore_rl.flow.placement import pin_to_cores, split_devices
 from mcore_rl.flow.processes import kill_process_group, lead_process_group
-from mcore_rl.process_exit import exit_now
+from mcore_rl.process_exit import end_after_exit_handlers
 
 STORE_TIMEOUT = timedelta(minutes=30)
 """How long a rank waits on the world's store (joining, and every collective's setup)."""
 
 EXIT_WAIT_S = 5.0
 """How long closing a worker group waits for its ranks' orderly exit (a fraction of a
-second: `exit_without_teardown`)."""
+second: `end_after_exit_handlers`)."""
 
 RankSetup = Callable[[int, int], None]
 """Run on every rank after it joined the world, before the function is built: ``(rank,
@@ -192,16 +191,9 @@ class RankProcess:
         self.runtime.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-        atexit.register(exit_without_teardown)  # the orderly exit that follows (`close`)
-
-
-def exit_without_teardown() -> None:
-    """At the exit of a rank's process, registered last so that it runs first: the other
-    exit handlers (Ray's own, which leave its cluster in order), then the end of the process
-    without the interpreter's teardown of every module (`exit_now`), which a launch's
-    teardown would otherwise wait for."""
-    atexit.unregister(exit_without_teardown)
-    exit_now(0)
+        # the orderly exit that follows (`close`) skips the module teardown, which the
+        # launch's teardown would otherwise wait for
+        end_after_exit_handlers(0)
 
 
 def handoff(item: Any) -> Any:

@@ -25,7 +25,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from mcore_rl.parallel.ports import serve_store
-from mcore_rl.process_exit import exit_now
+from mcore_rl.process_exit import end_after_exit_handlers
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MCORE_RL_RANK_TIMEOUT", "240"))
 ERROR_GRACE_S = 15.0  # how long the other ranks may still answer after one failed
@@ -73,7 +73,7 @@ def _worker(rank: int, world_size: int, store_env: dict[str, str], conn, env: di
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
-    exit_now(0)  # closed: without the module teardown that `close` would wait for
+    end_after_exit_handlers(0)  # closed: without the module teardown `close` would wait for
 
 
 def _exit_with_parent(poll_s: float = 1.0) -> None:
