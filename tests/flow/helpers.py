@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.lingering import linger
+
 
 def write(path: str, **record) -> None:
     with open(path, "a") as f:
@@ -449,24 +451,6 @@ class Holding:
             room.release()
 
 
-class _Lingering:
-    """Logs, then sleeps, when the interpreter's teardown of its module deletes it (with
-    what it holds itself: the module's globals may be gone by then)."""
-
-    def __init__(self, log: str, rank: int):
-        self.file = open(log, "a")  # noqa: SIM115 - written when the interpreter ends
-        self.line = json.dumps({"event": "module_teardown", "rank": rank}) + "\n"
-        self.sleep = time.sleep
-
-    def __del__(self):
-        self.file.write(self.line)
-        self.file.flush()
-        self.sleep(30)
-
-
-_LINGERING: list = []
-
-
 class ExitRecorder:
     """For worker groups: every rank registers an exit handler that logs, and leaves an
     object whose deletion in the interpreter's module teardown logs and then takes 30 s."""
@@ -479,7 +463,7 @@ class ExitRecorder:
         rank = dist.get_rank()
         write(log, event="started", rank=rank, pid=os.getpid())
         atexit.register(write, log, event="atexit", rank=rank, pid=os.getpid())
-        _LINGERING.append(_Lingering(log, rank))
+        linger(log, json.dumps({"event": "module_teardown", "rank": rank}) + "\n")
 
     def __call__(self, item):
         return None

@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from tests.lingering import linger
 from tests.world import RankFailure, SharedWorld
 
 
@@ -150,22 +151,6 @@ def test_an_idle_rank_collects_the_reference_cycles_its_last_call_left():
         assert world.run(_cycle_freed) == [True, True]
 
 
-class _Lingering:
-    """Logs, then sleeps 30 s, when the interpreter's module teardown deletes it (with what
-    it holds itself: the module's globals may be gone by then)."""
-
-    def __init__(self, log: str):
-        self.file, self.sleep = open(log, "a"), time.sleep  # noqa: SIM115
-
-    def __del__(self):
-        self.file.write("module_teardown\n")
-        self.file.flush()
-        self.sleep(30)
-
-
-_LINGERING: list = []
-
-
 def _linger_at_exit(rank, world_size, log):
     import atexit
 
@@ -174,7 +159,7 @@ def _linger_at_exit(rank, world_size, log):
             f.write(f"atexit {rank}\n")
 
     atexit.register(note)
-    _LINGERING.append(_Lingering(log))
+    linger(log, "module_teardown\n")
 
 
 def test_closing_runs_the_ranks_exit_handlers_without_waiting_for_their_module_teardown(tmp_path):
